@@ -1,0 +1,61 @@
+"""asyncddp: an asyncio-native, multi-device step scheduler for PyTorch.
+
+Layers, bottom up (each module uses only those above it in this list):
+
+- ``_exceptions``: the exception tree, rooted at ``AsyncDDPError``.
+- ``_devices``: ``Device``, ``resolve_devices``, ``cpu_devices``.
+- ``_progress``: ``Progress`` and its pure aggregator.
+- ``_data``: counting the items in a shard.
+- ``_loop``: waking an asyncio or trio task from a worker thread.
+- ``_worker``: ``DeviceWorker``, one persistent thread per device.
+- ``_scheduler``: ``StepScheduler``, fan out one job per device, gather in device order.
+- ``testing``: helpers for users' own tests (public, imported as ``asyncddp.testing``).
+"""
+
+from __future__ import annotations
+
+from ._devices import Device as Device
+from ._devices import DeviceSpec as DeviceSpec
+from ._devices import cpu_devices as cpu_devices
+from ._devices import resolve_devices as resolve_devices
+from ._exceptions import AsyncDDPError as AsyncDDPError
+from ._exceptions import DeviceError as DeviceError
+from ._exceptions import DeviceTypeError as DeviceTypeError
+from ._exceptions import SchedulerClosedError as SchedulerClosedError
+from ._exceptions import ShardError as ShardError
+from ._exceptions import WorkerFailedError as WorkerFailedError
+from ._exceptions import WorkerTimeoutError as WorkerTimeoutError
+from ._progress import Progress as Progress
+from ._progress import ProgressTracker as ProgressTracker
+from ._scheduler import StepResult as StepResult
+from ._scheduler import StepScheduler as StepScheduler
+from ._worker import WorkerContext as WorkerContext
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "AsyncDDPError",
+    "Device",
+    "DeviceError",
+    "DeviceSpec",
+    "DeviceTypeError",
+    "Progress",
+    "ProgressTracker",
+    "SchedulerClosedError",
+    "ShardError",
+    "StepResult",
+    "StepScheduler",
+    "WorkerContext",
+    "WorkerFailedError",
+    "WorkerTimeoutError",
+    "__version__",
+    "cpu_devices",
+    "resolve_devices",
+]
+
+# Tracebacks and reprs print ``asyncddp.WorkerFailedError``, not the private module it lives in.
+for _name in __all__:
+    _value = globals()[_name]
+    if isinstance(_value, type) and _value.__module__.startswith("asyncddp._"):
+        _value.__module__ = __name__
+del _name, _value

@@ -1,0 +1,198 @@
+"""The exceptions asyncddp raises.
+
+Every exception the library raises on purpose derives from :class:`AsyncDDPError`. Bad input
+also derives from :class:`ValueError` or :class:`TypeError`, so code that already catches those
+keeps working::
+
+    AsyncDDPError
+    ├── DeviceError (ValueError)            a device spec that cannot be used
+    │   └── DeviceTypeError (TypeError)     a device spec of the wrong type
+    ├── ShardError (ValueError)             shards that do not fit the devices
+    ├── SchedulerClosedError (RuntimeError) a scheduler used outside ``async with``
+    └── WorkerFailedError                   a device's job raised
+        └── WorkerTimeoutError              a device's job did not finish in time
+
+A :class:`WorkerFailedError` keeps the original exception object as ``__cause__`` (type,
+attributes and traceback intact) and stores only numbers, strings and :class:`Device` values
+itself, so holding on to it pins no tensor beyond what that traceback holds, and it pickles.
+``KeyboardInterrupt`` and ``SystemExit`` raised inside a job are never wrapped: they reach the
+caller as they are, so that ``except Exception`` cannot swallow a Ctrl-C.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._devices import Device
+
+__all__ = [
+    "AsyncDDPError",
+    "DeviceError",
+    "DeviceTypeError",
+    "SchedulerClosedError",
+    "ShardError",
+    "WorkerFailedError",
+    "WorkerTimeoutError",
+]
+
+
+class AsyncDDPError(Exception):
+    """The root of every exception asyncddp raises on purpose."""
+
+
+class DeviceError(AsyncDDPError, ValueError):
+    """A device spec names no device, a device twice, or a device that does not exist."""
+
+
+class DeviceTypeError(DeviceError, TypeError):
+    """A device spec is of a type asyncddp cannot read (for example a float)."""
+
+
+class ShardError(AsyncDDPError, ValueError):
+    """The shards given for a step do not match the devices (one shard per device)."""
+
+
+class SchedulerClosedError(AsyncDDPError, RuntimeError):
+    """A :class:`StepScheduler` was used before ``async with`` entered it or after it closed."""
+
+
+def _restore(cls: type[WorkerFailedError], fields: dict[str, Any]) -> WorkerFailedError:
+    return cls(**fields)
+
+
+class WorkerFailedError(AsyncDDPError):
+    """The job of one device raised; the step's first failure in time.
+
+    The message reads ``training worker on device cpu#1 failed: ValueError: ...`` (across
+    processes: ``distributed data parallel worker on rank 3 (device cuda:1) failed: ...``), and
+    the exception the job raised is this error's ``__cause__``.
+
+    Attributes:
+        device: The device whose job failed.
+        rank: The process rank under ``torch.distributed``; ``None`` within one process.
+        step: The step the job belonged to (counted from 0), when known.
+        epoch: The epoch, when the step was part of a fit.
+        phase: What the step was doing, for example ``"train"`` or ``"valid"``.
+        error_type: The qualified name of the original exception's type.
+        error_message: ``str()`` of the original exception.
+        other_failures: Failures of other devices in the same step, in the order they happened.
+            Each is a :class:`WorkerFailedError` with its own ``__cause__``.
+    """
+
+    def __init__(
+        self,
+        *,
+        device: Device,
+        error_type: str,
+        error_message: str,
+        rank: int | None = None,
+        step: int | None = None,
+        epoch: int | None = None,
+        phase: str | None = None,
+        other_failures: Sequence[WorkerFailedError] = (),
+    ) -> None:
+        self.device = device
+        self.error_type = error_type
+        self.error_message = error_message
+        self.rank = rank
+        self.step = step
+        self.epoch = epoch
+        self.phase = phase
+        self.other_failures: tuple[WorkerFailedError, ...] = tuple(other_failures)
+        super().__init__(str(self))
+
+    @classmethod
+    def from_exception(
+        cls,
+        exc: BaseException,
+        *,
+        device: Device,
+        rank: int | None = None,
+        step: int | None = None,
+        epoch: int | None = None,
+        phase: str | None = None,
+    ) -> WorkerFailedError:
+        """Wrap ``exc``, raised by the job on ``device``, keeping it as ``__cause__``."""
+        error = cls(
+            device=device,
+            error_type=_qualified_name(type(exc)),
+            error_message=str(exc),
+            rank=rank,
+            step=step,
+            epoch=epoch,
+            phase=phase,
+        )
+        error.__cause__ = exc
+        return error
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "error_type": self.error_type,
+            "error_message": self.error_message,
+            "rank": self.rank,
+            "step": self.step,
+            "epoch": self.epoch,
+            "phase": self.phase,
+            "other_failures": self.other_failures,
+        }
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exceptions pickle through ``args`` by default, which would drop every field. The cause
+        # is not pickled (it may hold tensors or unpicklable state); its type and message are.
+        return (_restore, (type(self), self._fields()))
+
+    def __str__(self) -> str:
+        if self.rank is None:
+            who = f"training worker on device {self.device.name}"
+        else:
+            who = (
+                f"distributed data parallel worker on rank {self.rank} (device {self.device.name})"
+            )
+        parts = [part for part in (self.error_type, self.error_message) if part]
+        what = ": ".join(parts)
+        context = [f"{key} {value}" for key, value in self._context() if value is not None]
+        if self.other_failures:
+            names = ", ".join(failure.device.name for failure in self.other_failures)
+            context.append(f"also failed: {names}")
+        suffix = f" ({'; '.join(context)})" if context else ""
+        return f"{who} failed: {what}{suffix}"
+
+    def _context(self) -> list[tuple[str, object]]:
+        return [("epoch", self.epoch), ("step", self.step), ("phase", self.phase)]
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(device={self.device.name!r}, rank={self.rank!r}, "
+            f"step={self.step!r}, epoch={self.epoch!r}, phase={self.phase!r}, "
+            f"error_type={self.error_type!r})"
+        )
+
+
+class WorkerTimeoutError(WorkerFailedError):
+    """A device's job did not finish within ``step_timeout`` seconds.
+
+    The job cannot be interrupted (Python threads cannot be killed): it keeps its worker busy
+    until it returns, and that device's later jobs queue behind it. ``__cause__`` is ``None``.
+
+    Attributes:
+        timeout: The ``step_timeout`` that ran out, in seconds.
+    """
+
+    def __init__(self, *, timeout: float, **fields: Any) -> None:
+        self.timeout = timeout
+        fields.setdefault("error_type", "")
+        fields.setdefault("error_message", f"did not finish within step_timeout={timeout:g} s")
+        super().__init__(**fields)
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "timeout": self.timeout}
+
+
+def _qualified_name(cls: type[BaseException]) -> str:
+    module = cls.__module__
+    if module in {"builtins", "__main__"}:
+        return cls.__qualname__
+    return f"{module}.{cls.__qualname__}"

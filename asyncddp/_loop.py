@@ -1,0 +1,137 @@
+"""The little the scheduler needs from an event loop, for asyncio and for trio.
+
+A :class:`Waker` lets worker threads wake the one task that waits for a step. Waking is
+level-triggered (a wake that comes before the task waits is not lost) and cheap: one
+thread-safe call per wake, no task or thread per device. anyio's public API offers no
+non-blocking "call soon from a thread", which is what a worker needs, so the two backends are
+spelled out here; everything else in asyncddp is backend-neutral.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from typing import Any, Protocol
+
+__all__ = ["Waker", "current_waker"]
+
+
+class Waker(Protocol):
+    """Wakes one waiting task from any thread."""
+
+    def wake_threadsafe(self) -> None:
+        """Wake the waiting task (or the next one to wait). Safe from any thread."""
+
+    async def wait(self, deadline: float | None) -> bool:
+        """Wait for a wake until ``deadline`` (``time.monotonic()``); False if it passed.
+
+        Cancellable: a cancellation of the waiting task propagates.
+        """
+
+    async def wait_shielded(self, deadline: float | None) -> tuple[bool, bool]:
+        """Like :meth:`wait`, but a cancellation neither interrupts nor is lost.
+
+        Returns:
+            ``(woken, cancel_requested)``. Under asyncio, ``cancel_requested`` is True when the
+            task was cancelled while it waited, and the caller must raise ``CancelledError``
+            itself. Under trio cancellation is level-triggered and comes back at the next
+            checkpoint, so it is always False.
+        """
+
+
+class _AsyncioWaker:
+    __slots__ = ("_future", "_loop", "_pending")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._future: asyncio.Future[None] | None = None
+        self._pending = False
+
+    def wake_threadsafe(self) -> None:
+        try:  # noqa: SIM105 (once per step: no context manager on this path)
+            self._loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:
+            pass  # the loop has closed: nobody is waiting any more
+
+    def _wake(self) -> None:
+        self._pending = True
+        future = self._future
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    async def wait(self, deadline: float | None) -> bool:
+        if not self._pending:
+            future = self._future = self._loop.create_future()
+            timer = None
+            if deadline is not None:
+                timer = self._loop.call_at(deadline, _resolve, future)
+            try:
+                await future
+            finally:
+                self._future = None
+                if timer is not None:
+                    timer.cancel()
+        woken = self._pending
+        self._pending = False
+        return woken
+
+    async def wait_shielded(self, deadline: float | None) -> tuple[bool, bool]:
+        cancel_requested = False
+        while True:
+            try:
+                return await self.wait(deadline), cancel_requested
+            except asyncio.CancelledError:
+                cancel_requested = True
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class _TrioWaker:
+    __slots__ = ("_event", "_token", "_trio")
+
+    def __init__(self, trio: Any) -> None:
+        self._trio = trio
+        self._token = trio.lowlevel.current_trio_token()
+        self._event = trio.Event()
+
+    def wake_threadsafe(self) -> None:
+        with contextlib.suppress(self._trio.RunFinishedError):
+            self._token.run_sync_soon(self._event.set)
+
+    async def wait(self, deadline: float | None) -> bool:
+        if not self._event.is_set():
+            delay = float("inf") if deadline is None else deadline - time.monotonic()
+            with self._trio.move_on_after(max(delay, 0.0)):
+                await self._event.wait()
+        woken: bool = self._event.is_set()
+        if woken:
+            self._event = self._trio.Event()
+        return woken
+
+    async def wait_shielded(self, deadline: float | None) -> tuple[bool, bool]:
+        with self._trio.CancelScope(shield=True):
+            return await self.wait(deadline), False
+
+
+def current_waker() -> Waker:
+    """A waker for the task that calls it, under asyncio or trio.
+
+    Raises:
+        RuntimeError: Called outside a running asyncio or trio event loop.
+    """
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        # asyncio's loop.time() is time.monotonic(), the clock deadlines use.
+        return _AsyncioWaker(loop)
+    trio = sys.modules.get("trio")
+    if trio is not None and trio.lowlevel.in_trio_run():
+        return _TrioWaker(trio)
+    raise RuntimeError("asyncddp needs a running asyncio or trio event loop (use 'await' in one)")

@@ -1,0 +1,87 @@
+"""Progress counts, and the pure aggregator that keeps them exact and monotonic.
+
+Counting is kept apart from showing (a progress bar or an event stream reads a
+:class:`Progress`; it never counts): :class:`ProgressTracker` adds each step's per-device item
+counts, so a device that runs out of data simply adds zeros and no total ever goes backwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Progress", "ProgressTracker"]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How many items have been processed, in all and per device.
+
+    Attributes:
+        items_processed: Items processed so far, each counted once. Only ever grows.
+        items_total: Items expected in all, or ``None`` when unknown.
+        device_items: Items processed so far by each device, in device order; they sum to
+            ``items_processed``.
+        steps: Steps completed so far.
+    """
+
+    items_processed: int
+    items_total: int | None
+    device_items: tuple[int, ...]
+    steps: int = 0
+
+    @property
+    def fraction(self) -> float | None:
+        """``items_processed / items_total``, or ``None`` when the total is unknown or zero."""
+        if not self.items_total:
+            return None
+        return self.items_processed / self.items_total
+
+    def __str__(self) -> str:
+        total = "?" if self.items_total is None else str(self.items_total)
+        return f"{self.items_processed}/{total} items"
+
+
+class ProgressTracker:
+    """Adds up per-device item counts, step by step.
+
+    Not thread-safe: it belongs to the event loop thread, which alone updates it.
+
+    Args:
+        num_devices: How many devices report counts.
+        items_total: Items expected in all, when known.
+    """
+
+    def __init__(self, num_devices: int, items_total: int | None = None) -> None:
+        if num_devices < 1:
+            raise ValueError(f"num_devices must be at least 1, got {num_devices}")
+        if items_total is not None and items_total < 0:
+            raise ValueError(f"items_total must be >= 0 or None, got {items_total}")
+        self._device_items = [0] * num_devices
+        self._items_total = items_total
+        self._steps = 0
+
+    def update(self, step_items: Sequence[int]) -> Progress:
+        """Add one step's item counts (one per device, zero for a device that had none)."""
+        if len(step_items) != len(self._device_items):
+            raise ValueError(
+                f"expected {len(self._device_items)} item counts (one per device), "
+                f"got {len(step_items)}"
+            )
+        for count in step_items:
+            if count < 0:
+                raise ValueError(f"item counts cannot be negative, got {list(step_items)}")
+        for i, count in enumerate(step_items):
+            self._device_items[i] += count
+        self._steps += 1
+        return self.progress
+
+    @property
+    def progress(self) -> Progress:
+        """The counts so far."""
+        return Progress(
+            items_processed=sum(self._device_items),
+            items_total=self._items_total,
+            device_items=tuple(self._device_items),
+            steps=self._steps,
+        )

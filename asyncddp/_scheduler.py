@@ -1,0 +1,476 @@
+"""StepScheduler: run one job on every device, gather the results on the event loop.
+
+How a step runs::
+
+    event loop thread                          worker threads (one per device)
+    run(fn, shards)
+      capture grad mode, autocast, contextvars
+      queue one job per worker  ─────────────► fn(ctx, shard) in the caller's state
+      await one wake-up         ◄───────────── the last job to finish (or the first to fail)
+      outputs in device order                  wakes the loop, once
+      or WorkerFailedError for the first failure in time
+
+The loop thread never runs a job and never blocks on a thread: it queues, then awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Generic, TypeVar, cast
+
+from ._data import count_items
+from ._devices import Device, DeviceSpec, resolve_devices
+from ._exceptions import (
+    SchedulerClosedError,
+    ShardError,
+    WorkerFailedError,
+    WorkerTimeoutError,
+)
+from ._loop import Waker, current_waker
+from ._progress import Progress, ProgressTracker
+from ._worker import CallerState, DeviceWorker, WorkerContext
+
+__all__ = ["StepResult", "StepScheduler"]
+
+S = TypeVar("S")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StepResult(Generic[T]):
+    """What one step handed back.
+
+    Attributes:
+        outputs: What ``fn`` returned on each device, in device order.
+        items: How many items each device's shard held, in device order.
+        progress: The scheduler's progress after this step.
+        step: The step's number.
+    """
+
+    outputs: tuple[T, ...]
+    items: tuple[int, ...]
+    progress: Progress
+    step: int
+
+
+class _Step:
+    """One step's shared state: written by the workers under ``lock``, read by the loop."""
+
+    __slots__ = (
+        "cancelled",
+        "failures",
+        "finished",
+        "lock",
+        "outputs",
+        "remaining",
+        "running",
+        "waker",
+    )
+
+    def __init__(self, size: int, waker: Waker) -> None:
+        self.lock = threading.Lock()
+        self.waker = waker
+        self.outputs: list[Any] = [None] * size
+        self.finished = [False] * size
+        self.remaining = size
+        self.running = 0
+        self.cancelled = False
+        # (device index, exception), in the order the failures happened.
+        self.failures: list[tuple[int, BaseException]] = []
+
+    def cancel(self) -> None:
+        """Drop the jobs that have not started yet."""
+        with self.lock:
+            self.cancelled = True
+
+    def settled(self) -> bool:
+        with self.lock:
+            return self.remaining == 0 or bool(self.failures)
+
+    def idle(self) -> bool:
+        with self.lock:
+            return self.running == 0
+
+
+def _execute(
+    worker: DeviceWorker, state: CallerState, fn: Callable[..., Any], ctx: object, shard: object
+) -> tuple[bool, Any]:
+    # A failure's traceback starts in this frame, whose locals hold no reference to the step.
+    try:
+        return True, worker.invoke(state, fn, ctx, shard)
+    except BaseException as exc:
+        return False, exc
+
+
+class _Job:
+    __slots__ = ("fn", "index", "number", "phase", "shard", "state", "step", "worker")
+
+    def __init__(
+        self,
+        step: _Step,
+        index: int,
+        worker: DeviceWorker,
+        fn: Callable[..., Any],
+        shard: object,
+        number: int,
+        phase: str | None,
+    ) -> None:
+        self.step = step
+        self.index = index
+        self.worker = worker
+        self.fn = fn
+        self.shard = shard
+        self.state = CallerState.capture(worker.device.type)
+        self.number = number
+        self.phase = phase
+
+    def __call__(self) -> None:
+        step = self.step
+        with step.lock:
+            run = not step.cancelled
+            if run:
+                step.running += 1
+        ok, value = True, cast(Any, None)
+        if run:
+            ctx = WorkerContext(self.worker.device, self.worker.stream, self.number, self.phase)
+            ok, value = _execute(self.worker, self.state, self.fn, ctx, self.shard)
+        with step.lock:
+            if run:
+                step.running -= 1
+            step.remaining -= 1
+            step.finished[self.index] = True
+            if ok:
+                step.outputs[self.index] = value
+            else:
+                step.failures.append((self.index, value))
+            wake = (
+                step.remaining == 0
+                or (not ok and len(step.failures) == 1)
+                or (step.cancelled and step.running == 0)
+            )
+        if wake:
+            step.waker.wake_threadsafe()
+        # A failure's traceback reaches this frame too (through _execute's f_back), and the
+        # step holds that failure: drop every reference to the step, so that no reference
+        # cycle keeps what the job made alive once the caller drops the error.
+        self.step = self.fn = self.shard = self.state = None  # type: ignore[assignment]
+        del step, value
+
+
+def _stop_all(workers: Sequence[DeviceWorker]) -> None:
+    for worker in workers:
+        worker.stop()
+
+
+class StepScheduler:
+    """Runs one job on every device at once and awaits them all.
+
+    Each device gets one persistent worker thread, started by ``async with`` and reused by
+    every step; closing joins them all::
+
+        async with StepScheduler(asyncddp.cpu_devices(2)) as scheduler:
+            result = await scheduler.run(fn, [shard0, shard1])
+
+    Args:
+        devices: Where to run: anything :func:`resolve_devices` accepts. Checked here, before
+            any thread starts.
+        step_timeout: Seconds a device may take for one job before :meth:`run` raises
+            :class:`WorkerTimeoutError`; ``None`` waits as long as it takes.
+        drain_timeout: After a failure or a cancellation, how many seconds to wait for the
+            other devices' jobs that are already running, before raising anyway (they finish
+            on their own; that device's next job waits for them). ``None`` waits for them.
+    """
+
+    def __init__(
+        self,
+        devices: DeviceSpec,
+        *,
+        step_timeout: float | None = None,
+        drain_timeout: float | None = 10.0,
+    ) -> None:
+        for name, value in (("step_timeout", step_timeout), ("drain_timeout", drain_timeout)):
+            if value is not None and not value > 0:
+                raise ValueError(
+                    f"{name} must be a positive number of seconds or None, got {value!r}"
+                )
+        self.devices: tuple[Device, ...] = resolve_devices(devices)
+        self.step_timeout = step_timeout
+        self.drain_timeout = drain_timeout
+        self._workers: tuple[DeviceWorker, ...] = ()
+        self._state = "new"
+        self._next_step = 0
+        self._tracker = ProgressTracker(len(self.devices))
+
+    def __repr__(self) -> str:
+        names = ", ".join(device.name for device in self.devices)
+        return f"<StepScheduler [{names}] {self._state}>"
+
+    @property
+    def progress(self) -> Progress:
+        """Items processed by the successful steps since the start or the last reset."""
+        return self._tracker.progress
+
+    def reset_progress(self, items_total: int | None = None) -> None:
+        """Start counting items afresh, for example at the start of an epoch."""
+        self._tracker = ProgressTracker(len(self.devices), items_total)
+
+    async def __aenter__(self) -> StepScheduler:
+        self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def start(self) -> None:
+        """Start the worker threads (``async with`` does this for you)."""
+        if self._state != "new":
+            raise SchedulerClosedError(f"{self!r} was started already; make a new one")
+        self._workers = tuple(DeviceWorker(device) for device in self.devices)
+        for worker in self._workers:
+            worker.start()
+        self._state = "open"
+        # A scheduler dropped without being closed still stops its threads.
+        weakref.finalize(self, _stop_all, self._workers)
+
+    async def aclose(self) -> None:
+        """Finish the queued jobs, stop the worker threads and join them.
+
+        Waits on the event loop, never blocking it. A worker still busy after
+        ``drain_timeout`` seconds (a job that hangs) is left behind with a ``RuntimeWarning``;
+        its thread is a daemon and exits once its job returns.
+
+        Cancellation handling: closing is shielded. It completes, and a cancellation that
+        arrives meanwhile is delivered afterwards.
+        """
+        if self._state == "closed":
+            return
+        self._state = "closed"
+        if not self._workers:
+            return
+        waker = current_waker()
+        step = self._dispatch(waker, _noop, [None] * len(self._workers), -1, "close")
+        _stop_all(self._workers)
+        deadline = None if self.drain_timeout is None else time.monotonic() + self.drain_timeout
+        cancel_requested = False
+        while not step.settled():
+            woken, cancelled = await waker.wait_shielded(deadline)
+            cancel_requested |= cancelled
+            if not woken:
+                break
+        for worker, done in zip(self._workers, step.finished, strict=True):
+            if done:
+                worker.join()  # its last job has run: the thread is returning
+            else:
+                warnings.warn(
+                    f"{worker.thread.name} is still running a job after drain_timeout="
+                    f"{self.drain_timeout} s; left behind, it exits once the job returns",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        if cancel_requested:
+            raise asyncio.CancelledError()
+
+    async def run(
+        self,
+        fn: Callable[[WorkerContext, S], T],
+        shards: Sequence[S],
+        *,
+        items: Sequence[int] | None = None,
+        step: int | None = None,
+        epoch: int | None = None,
+        phase: str | None = "train",
+    ) -> StepResult[T]:
+        """Run ``fn(ctx, shard)`` on every device's worker, one shard per device.
+
+        The event loop thread only queues the jobs and awaits them; each worker runs its job
+        in the caller's grad mode, autocast state and context variables, and on a GPU on its
+        own stream, waiting for the stream before the job counts as done.
+
+        Args:
+            fn: The job. Gets a :class:`WorkerContext` and that device's shard.
+            shards: One shard per device, in device order.
+            items: Items in each shard, for progress; by default counted with the size of the
+                shard's first tensor along dim 0.
+            step: The step's number, for errors; by default the count of earlier steps.
+            epoch: The epoch, for errors.
+            phase: What the step does, for errors (``"train"``, ``"valid"``, ...).
+
+        Returns:
+            The outputs in device order, the item counts and the progress so far.
+
+        Raises:
+            WorkerFailedError: A job raised. Names the first device to fail; the exception the
+                job raised is ``__cause__``; later failures of this step are in
+                ``other_failures``. Jobs not yet started are dropped and running ones are
+                awaited (up to ``drain_timeout``), so the scheduler is ready for the next step.
+            WorkerTimeoutError: A job did not finish within ``step_timeout``.
+            KeyboardInterrupt, SystemExit: raised by a job, re-raised here as they are.
+            ShardError: ``shards`` or ``items`` does not hold one entry per device.
+            SchedulerClosedError: The scheduler is not open.
+
+        Cancellation handling:
+            When the awaiting task is cancelled, jobs not yet started are dropped, and the
+            call waits (shielded, up to ``drain_timeout``) for the jobs already running before
+            the cancellation goes on; the event loop keeps running meanwhile, and the
+            scheduler stays usable.
+        """
+        if self._state != "open":
+            raise SchedulerClosedError(
+                f"{self!r} is not open; use 'async with StepScheduler(...) as scheduler:'"
+            )
+        shards = self._check_shards(shards)
+        counts = self._check_items(items, shards)
+        number = self._next_step if step is None else step
+        self._next_step += 1
+        waker = current_waker()
+        deadline = None if self.step_timeout is None else time.monotonic() + self.step_timeout
+        state = self._dispatch(waker, fn, shards, number, phase)
+        try:
+            settled = await self._wait_settled(state, waker, deadline)
+        except BaseException:
+            state.cancel()
+            await self._drain(state, waker)
+            raise
+        if not settled:
+            error: BaseException = self._timeout_error(state, number, epoch, phase)
+        elif state.failures:
+            state.cancel()
+            cancel_requested = await self._drain(state, waker)
+            error = self._failure_error(state, number, epoch, phase)
+            if cancel_requested:
+                cancelled = asyncio.CancelledError()
+                cancelled.__cause__ = error
+                error = cancelled
+        else:
+            return StepResult(
+                outputs=tuple(state.outputs),
+                items=counts,
+                progress=self._tracker.update(counts),
+                step=number,
+            )
+        try:
+            raise error
+        finally:
+            # The traceback holds this frame: break the error -> frame -> error cycle.
+            del error, state
+
+    def _dispatch(
+        self,
+        waker: Waker,
+        fn: Callable[..., Any],
+        shards: Sequence[object],
+        number: int,
+        phase: str | None,
+    ) -> _Step:
+        state = _Step(len(self._workers), waker)
+        jobs = [
+            _Job(state, index, worker, fn, shard, number, phase)
+            for index, (worker, shard) in enumerate(zip(self._workers, shards, strict=True))
+        ]
+        # Queue them in one tight loop: a woken worker waits for the GIL until this thread
+        # reaches the event loop's poll, so nothing slow may stand between the puts and there.
+        for worker, job in zip(self._workers, jobs, strict=True):
+            worker.submit(job)
+        return state
+
+    @staticmethod
+    async def _wait_settled(state: _Step, waker: Waker, deadline: float | None) -> bool:
+        while not state.settled():
+            if not await waker.wait(deadline):
+                return state.settled()
+        return True
+
+    async def _drain(self, state: _Step, waker: Waker) -> bool:
+        """Wait, shielded, for the step's running jobs; returns whether a cancel came."""
+        deadline = None if self.drain_timeout is None else time.monotonic() + self.drain_timeout
+        cancel_requested = False
+        while not state.idle():
+            woken, cancelled = await waker.wait_shielded(deadline)
+            cancel_requested |= cancelled
+            if not woken:
+                break
+        return cancel_requested
+
+    def _failure_error(
+        self, state: _Step, number: int, epoch: int | None, phase: str | None
+    ) -> BaseException:
+        with state.lock:
+            failures = list(state.failures)
+        for index, exc in failures:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                exc.add_note(f"raised by the job on device {self.devices[index].name}")
+                return exc
+        errors = [
+            WorkerFailedError.from_exception(
+                exc, device=self.devices[index], step=number, epoch=epoch, phase=phase
+            )
+            for index, exc in failures
+        ]
+        first = errors[0]
+        first.other_failures = tuple(errors[1:])
+        first.args = (str(first),)
+        return first
+
+    def _timeout_error(
+        self, state: _Step, number: int, epoch: int | None, phase: str | None
+    ) -> WorkerTimeoutError:
+        with state.lock:
+            state.cancelled = True
+            late = [index for index, done in enumerate(state.finished) if not done]
+        assert self.step_timeout is not None
+        errors = [
+            WorkerTimeoutError(
+                timeout=self.step_timeout,
+                device=self.devices[index],
+                step=number,
+                epoch=epoch,
+                phase=phase,
+            )
+            for index in late
+        ]
+        first = errors[0]
+        first.other_failures = tuple(errors[1:])
+        first.args = (str(first),)
+        return first
+
+    def _check_shards(self, shards: Sequence[S]) -> Sequence[S]:
+        if not isinstance(shards, Sequence) or isinstance(shards, (str, bytes)):
+            raise ShardError(
+                f"shards must be a sequence with one shard per device, got {type(shards).__name__}"
+            )
+        if len(shards) != len(self.devices):
+            raise ShardError(
+                f"got {len(shards)} shards for {len(self.devices)} devices; give one shard per "
+                "device (an empty one for a device with no data)"
+            )
+        return shards
+
+    def _check_items(
+        self, items: Sequence[int] | None, shards: Sequence[object]
+    ) -> tuple[int, ...]:
+        if items is None:
+            return tuple(count_items(shard) for shard in shards)
+        counts = tuple(items)
+        if len(counts) != len(self.devices) or any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts
+        ):
+            raise ShardError(
+                f"items must hold one count >= 0 per device ({len(self.devices)}), got {items!r}"
+            )
+        return counts
+
+
+def _noop(ctx: WorkerContext, shard: object) -> None:
+    return None

@@ -1,0 +1,156 @@
+"""One persistent worker thread per device.
+
+A :class:`DeviceWorker` owns a named thread (``asyncddp-worker[cuda:1]``) that runs the jobs put
+on its queue, one at a time, in order. On a CUDA device the thread makes its device current and
+runs every job on a stream of its own, so two workers never serialise on the default stream;
+a job counts as finished only once its stream work has finished (the worker waits for that in
+its own thread, never on the event loop, and so an asynchronous CUDA error is charged to the
+device that caused it).
+
+The caller's grad mode, autocast state and context variables are captured on the event loop
+(:class:`CallerState`) and re-entered around each job, as ``torch.nn.parallel.parallel_apply``
+does: all three are thread-local, and a worker thread would otherwise run with its own defaults.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._devices import Device
+
+__all__ = ["CallerState", "DeviceWorker", "WorkerContext"]
+
+_log = logging.getLogger("asyncddp")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerContext:
+    """What a job learns about where it runs; passed as the first argument of every job.
+
+    Attributes:
+        device: The device this job runs for.
+        stream: The worker's CUDA stream (already current in the job), or ``None`` on the CPU.
+        step: The step the job belongs to.
+        phase: What the step is doing, for example ``"train"``.
+    """
+
+    device: Device
+    stream: torch.cuda.Stream | None
+    step: int
+    phase: str | None
+
+    @property
+    def torch_device(self) -> torch.device:
+        """Where to put this device's tensors."""
+        return self.device.torch_device
+
+
+@dataclass(frozen=True, slots=True)
+class CallerState:
+    """The thread-local state of the caller, to be re-entered in a worker."""
+
+    context: contextvars.Context
+    grad_enabled: bool
+    autocast_enabled: bool
+    autocast_dtype: torch.dtype
+
+    @classmethod
+    def capture(cls, device_type: str) -> CallerState:
+        """Capture the calling thread's state for jobs on devices of ``device_type``."""
+        return cls(
+            context=contextvars.copy_context(),
+            grad_enabled=torch.is_grad_enabled(),
+            autocast_enabled=torch.is_autocast_enabled(device_type),
+            autocast_dtype=torch.get_autocast_dtype(device_type),
+        )
+
+
+class DeviceWorker:
+    """A thread that runs one device's jobs, in order.
+
+    A job is any callable taking no arguments; jobs report their own results (see
+    ``_scheduler``). The worker only runs them and keeps going, whatever they raise.
+
+    Args:
+        device: The device to run jobs for.
+    """
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.stream: torch.cuda.Stream | None = None
+        self._queue: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
+        self._setup_error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._main, name=f"asyncddp-worker[{device.name}]", daemon=True
+        )
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The worker's thread."""
+        return self._thread
+
+    def start(self) -> None:
+        """Start the thread. It sets up its device (and stream) before its first job."""
+        self._thread.start()
+
+    def submit(self, job: Callable[[], object]) -> None:
+        """Queue ``job``; it runs after every job queued before it. Safe from any thread."""
+        self._queue.put(job)
+
+    def stop(self) -> None:
+        """Ask the thread to exit once the jobs queued before this call have run."""
+        self._queue.put(None)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread to exit (blocking). Returns whether it did."""
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def invoke(self, state: CallerState, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` in the caller's state; call only from this worker's thread."""
+        if self._setup_error is not None:
+            raise RuntimeError(
+                f"could not set up the worker for device {self.device.name}"
+            ) from self._setup_error
+        # Grad mode and autocast are thread-local; reset them for every job so one job's
+        # leftovers never leak into the next.
+        torch.set_grad_enabled(state.grad_enabled)
+        if state.autocast_enabled:
+            with torch.autocast(self.device.type, dtype=state.autocast_dtype):
+                result = state.context.run(fn, *args)
+        else:
+            result = state.context.run(fn, *args)
+        if self.stream is not None:
+            # Host-device sync point: the job is done only when its kernels are.
+            self.stream.synchronize()
+        return result
+
+    def _main(self) -> None:
+        if self.device.is_cuda:
+            try:
+                # The current device and the current stream are both per-thread: set them once.
+                torch.cuda.set_device(self.device.torch_device)
+                self.stream = torch.cuda.Stream(self.device.torch_device)  # type: ignore[no-untyped-call]
+                torch.cuda.set_stream(self.stream)
+            except BaseException as exc:  # reported by every job, so that no step waits forever
+                self._setup_error = exc
+        get = self._queue.get
+        while True:
+            job = get()
+            if job is None:
+                return
+            try:
+                job()
+            except BaseException:  # jobs report their own errors; this is a bug in asyncddp
+                _log.exception("asyncddp worker for %s: a job failed to report", self.device)
+            # Drop the job before blocking on the queue, so that nothing it held stays alive.
+            del job

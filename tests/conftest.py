@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from asyncddp.testing import asyncddp_threads
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Every async test runs under asyncio and under trio (through anyio's pytest plugin)."""
+    return str(request.param)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_worker_threads() -> Iterator[None]:
+    """Fail any test that leaves an asyncddp worker thread alive."""
+    before = set(asyncddp_threads())
+    yield
+    leaked = [thread for thread in asyncddp_threads() if thread not in before]
+    for thread in leaked:
+        thread.join(timeout=2.0)  # a thread that is on its way out gets a moment to finish
+    alive = [thread.name for thread in leaked if thread.is_alive()]
+    assert not alive, f"worker threads left alive: {alive}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def release() -> Iterator[threading.Event]:
+    """An event that a hanging job waits for; set at the end of the test in any case."""
+    event = threading.Event()
+    yield event
+    event.set()

@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+import asyncddp
+from asyncddp import (
+    AsyncDDPError,
+    DeviceError,
+    DeviceTypeError,
+    SchedulerClosedError,
+    ShardError,
+    WorkerFailedError,
+    WorkerTimeoutError,
+    cpu_devices,
+)
+
+CPU1 = cpu_devices(2)[1]
+
+
+def test_tree() -> None:
+    assert issubclass(DeviceError, AsyncDDPError)
+    assert issubclass(DeviceError, ValueError)
+    assert issubclass(DeviceTypeError, DeviceError)
+    assert issubclass(DeviceTypeError, TypeError)
+    assert issubclass(ShardError, AsyncDDPError)
+    assert issubclass(ShardError, ValueError)
+    assert issubclass(SchedulerClosedError, RuntimeError)
+    assert issubclass(WorkerFailedError, AsyncDDPError)
+    assert issubclass(WorkerTimeoutError, WorkerFailedError)
+    # Tracebacks name the public module, not the private one.
+    assert WorkerFailedError.__module__ == "asyncddp"
+
+
+def test_message_keeps_the_wording_users_search_for() -> None:
+    cause = RuntimeError("CUDA out of memory")
+    error = WorkerFailedError.from_exception(cause, device=CPU1, step=3, phase="train")
+    assert str(error) == (
+        "training worker on device cpu#1 failed: RuntimeError: CUDA out of memory "
+        "(step 3; phase train)"
+    )
+    assert error.__cause__ is cause
+    assert error.args == (str(error),)
+
+
+def test_distributed_wording_names_rank_and_device() -> None:
+    error = WorkerFailedError(device=CPU1, rank=3, error_type="ValueError", error_message="bad")
+    assert (
+        str(error)
+        == "distributed data parallel worker on rank 3 (device cpu#1) failed: ValueError: bad"
+    )
+
+
+def test_qualified_type_names() -> None:
+    class Custom(Exception):
+        pass
+
+    error = WorkerFailedError.from_exception(Custom("x"), device=CPU1)
+    assert error.error_type.endswith("test_qualified_type_names.<locals>.Custom")
+    assert error.error_type.startswith("test_exceptions.") or error.error_type.startswith("tests.")
+
+
+def test_pickle_round_trip_keeps_fields() -> None:
+    other = WorkerFailedError.from_exception(ValueError("second"), device=cpu_devices(1)[0], step=2)
+    error = WorkerFailedError(
+        device=CPU1,
+        error_type="RuntimeError",
+        error_message="first",
+        rank=1,
+        step=2,
+        epoch=0,
+        phase="valid",
+        other_failures=[other],
+    )
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is WorkerFailedError
+    assert str(copy) == str(error)
+    assert (copy.device, copy.rank, copy.step, copy.epoch, copy.phase) == (CPU1, 1, 2, 0, "valid")
+    assert copy.other_failures[0].error_message == "second"
+
+    timeout = WorkerTimeoutError(timeout=0.5, device=CPU1, step=7)
+    copy_timeout = pickle.loads(pickle.dumps(timeout))
+    assert type(copy_timeout) is WorkerTimeoutError
+    assert copy_timeout.timeout == 0.5
+    assert str(copy_timeout) == (
+        "training worker on device cpu#1 failed: did not finish within step_timeout=0.5 s (step 7)"
+    )
+
+
+def test_repr_is_short_and_holds_no_objects() -> None:
+    error = WorkerFailedError.from_exception(KeyError("k"), device=CPU1, step=1)
+    assert repr(error) == (
+        "WorkerFailedError(device='cpu#1', rank=None, step=1, epoch=None, phase=None, "
+        "error_type='KeyError')"
+    )
+
+
+@pytest.mark.parametrize("name", asyncddp.__all__)
+def test_public_classes_live_in_the_public_module(name: str) -> None:
+    value = getattr(asyncddp, name)
+    if isinstance(value, type):
+        assert value.__module__ == "asyncddp"

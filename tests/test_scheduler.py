@@ -1,0 +1,440 @@
+from __future__ import annotations
+
+import contextvars
+import gc
+import pickle
+import statistics
+import threading
+import time
+import weakref
+
+import anyio
+import pytest
+import torch
+
+import asyncddp
+from asyncddp import (
+    SchedulerClosedError,
+    ShardError,
+    StepScheduler,
+    WorkerContext,
+    WorkerFailedError,
+    WorkerTimeoutError,
+    cpu_devices,
+)
+from asyncddp.testing import InjectedFailure, asyncddp_threads, fail_on, hang_on
+
+pytestmark = pytest.mark.anyio
+
+DEVICE_COUNTS = [1, 2, 4, 8]
+
+
+def where(ctx: WorkerContext, shard: object) -> tuple[str, str]:
+    return ctx.device.name, threading.current_thread().name
+
+
+class ShardTooSmall(Exception):
+    """A user's exception type, with a field of its own."""
+
+    def __init__(self, message: str, *, rows: int) -> None:
+        super().__init__(message)
+        self.rows = rows
+
+
+@pytest.mark.parametrize("n", DEVICE_COUNTS)
+async def test_each_device_has_one_persistent_named_thread(n: int) -> None:
+    async with StepScheduler(cpu_devices(n)) as scheduler:
+        first = await scheduler.run(where, [None] * n)
+        assert first.outputs == tuple((f"cpu#{i}", f"asyncddp-worker[cpu#{i}]") for i in range(n))
+        idents = await scheduler.run(lambda ctx, shard: threading.get_ident(), [None] * n)
+        again = await scheduler.run(lambda ctx, shard: threading.get_ident(), [None] * n)
+        assert idents.outputs == again.outputs
+        assert len(set(idents.outputs)) == n
+        assert threading.get_ident() not in idents.outputs
+        assert len(asyncddp_threads()) == n
+    assert asyncddp_threads() == []
+
+
+@pytest.mark.parametrize("n", DEVICE_COUNTS)
+async def test_outputs_come_back_in_device_order(n: int) -> None:
+    def slow_first(ctx: WorkerContext, shard: int) -> int:
+        time.sleep(0.002 * (n - ctx.device.index))  # the last device finishes first
+        return shard * 10
+
+    async with StepScheduler(cpu_devices(n)) as scheduler:
+        result = await scheduler.run(slow_first, list(range(n)))
+    assert result.outputs == tuple(i * 10 for i in range(n))
+    assert result.step == 0
+
+
+@pytest.mark.parametrize("n", DEVICE_COUNTS)
+async def test_progress_counts_items_per_device(n: int) -> None:
+    async with StepScheduler(cpu_devices(n)) as scheduler:
+        shards = [torch.zeros(i, 3) for i in range(n)]  # uneven, the first one empty
+        first = await scheduler.run(lambda ctx, shard: shard.shape[0], shards)
+        second = await scheduler.run(lambda ctx, shard: None, [{"x": s} for s in shards])
+    assert first.items == tuple(range(n))
+    assert first.progress.device_items == tuple(range(n))
+    assert first.progress.items_processed == sum(range(n))
+    assert second.progress.device_items == tuple(2 * i for i in range(n))
+    assert second.progress.items_processed == 2 * sum(range(n))
+    assert second.progress.steps == 2
+    assert (first.step, second.step) == (0, 1)
+
+
+async def test_items_can_be_given_and_progress_reset() -> None:
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        scheduler.reset_progress(items_total=10)
+        result = await scheduler.run(lambda ctx, shard: None, ["abc", "de"], items=[3, 2])
+        assert result.progress.items_total == 10
+        assert result.progress.items_processed == 5
+        assert scheduler.progress == result.progress
+        with pytest.raises(ShardError, match="one count >= 0 per device"):
+            await scheduler.run(lambda ctx, shard: None, [1, 2], items=[1])
+        with pytest.raises(ShardError, match="one count >= 0 per device"):
+            await scheduler.run(lambda ctx, shard: None, [1, 2], items=[1, -1])
+
+
+async def test_wrong_number_of_shards_fails_before_running() -> None:
+    ran = []
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        with pytest.raises(ShardError, match="got 3 shards for 2 devices"):
+            await scheduler.run(lambda ctx, shard: ran.append(shard), [1, 2, 3])
+        with pytest.raises(ShardError, match="sequence"):
+            await scheduler.run(lambda ctx, shard: ran.append(shard), "ab")
+    assert ran == []
+
+
+async def test_caller_grad_mode_autocast_and_contextvars_reach_the_job() -> None:
+    request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id")
+
+    def state(ctx: WorkerContext, shard: None) -> tuple[bool, bool, torch.dtype, str]:
+        x = torch.ones(2, 2)
+        return (
+            torch.is_grad_enabled(),
+            torch.is_autocast_enabled("cpu"),
+            (x @ x).dtype,
+            request_id.get(),
+        )
+
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        request_id.set("job-1")
+        plain = await scheduler.run(state, [None, None])
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            inside = await scheduler.run(state, [None, None])
+        after = await scheduler.run(state, [None, None])
+    assert plain.outputs == ((True, False, torch.float32, "job-1"),) * 2
+    assert inside.outputs == ((False, True, torch.bfloat16, "job-1"),) * 2
+    # Nothing leaks from one job into the next on the same thread.
+    assert after.outputs == plain.outputs
+
+
+async def test_job_cannot_change_the_callers_contextvars() -> None:
+    var: contextvars.ContextVar[int] = contextvars.ContextVar("var", default=0)
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        await scheduler.run(lambda ctx, shard: var.set(5), [None, None])
+    assert var.get() == 0
+
+
+@pytest.mark.parametrize("n", DEVICE_COUNTS)
+async def test_failure_names_the_device_and_keeps_the_original_exception(n: int) -> None:
+    bad = n - 1
+    original = ShardTooSmall("shard has 0 rows", rows=0)
+
+    async with StepScheduler(cpu_devices(n)) as scheduler:
+        await scheduler.run(lambda ctx, shard: None, [None] * n)
+        with pytest.raises(WorkerFailedError) as info:
+            await scheduler.run(fail_on(where, device=bad, error=original), [None] * n)
+        error = info.value
+        assert error.device == scheduler.devices[bad]
+        assert error.step == 1
+        assert error.phase == "train"
+        assert error.rank is None
+        assert error.__cause__ is original
+        assert error.__cause__.rows == 0
+        assert error.other_failures == ()
+        assert str(error) == (
+            f"training worker on device cpu#{bad} failed: "
+            f"{ShardTooSmall.__module__}.ShardTooSmall: shard has 0 rows (step 1; phase train)"
+        )
+        # The scheduler serves the next step.
+        result = await scheduler.run(where, [None] * n)
+        assert [name for name, _ in result.outputs] == [f"cpu#{i}" for i in range(n)]
+        assert result.step == 2
+
+
+async def test_first_failure_in_time_wins_and_others_are_kept() -> None:
+    def fail_in_turn(ctx: WorkerContext, shard: float) -> None:
+        time.sleep(shard)
+        raise ValueError(f"failed on {ctx.device.name}")
+
+    async with StepScheduler(cpu_devices(4)) as scheduler:
+        with pytest.raises(WorkerFailedError) as info:
+            # cpu#2 fails first, then cpu#0, then cpu#3; cpu#1 succeeds.
+            await scheduler.run(
+                lambda ctx, shard: None if ctx.device.index == 1 else fail_in_turn(ctx, shard),
+                [0.1, 0.0, 0.0, 0.2],
+                step=7,
+                epoch=2,
+                phase="valid",
+            )
+    error = info.value
+    assert error.device.name == "cpu#2"
+    assert [other.device.name for other in error.other_failures] == ["cpu#0", "cpu#3"]
+    assert all(isinstance(other.__cause__, ValueError) for other in error.other_failures)
+    assert [other.step for other in error.other_failures] == [7, 7]
+    assert (error.epoch, error.step, error.phase) == (2, 7, "valid")
+    assert str(error).endswith("(epoch 2; step 7; phase valid; also failed: cpu#0, cpu#3)")
+
+
+async def test_queued_jobs_of_other_devices_are_dropped(release: threading.Event) -> None:
+    ran: list[tuple[int, int]] = []
+
+    def record(ctx: WorkerContext, shard: None) -> None:
+        ran.append((ctx.step, ctx.device.index))
+
+    async with StepScheduler(cpu_devices(2), step_timeout=0.2) as scheduler:
+        # Step 0: cpu#1 hangs, so its next job waits in its queue.
+        with pytest.raises(WorkerTimeoutError):
+            await scheduler.run(hang_on(record, device=1, release=release), [None, None])
+        # Step 1: cpu#0 fails while cpu#1's job is still queued: that job must never run.
+        with pytest.raises(WorkerFailedError) as info:
+            await scheduler.run(fail_on(record, device=0), [None, None])
+        assert isinstance(info.value.__cause__, InjectedFailure)
+        release.set()
+        result = await scheduler.run(record, [None, None])
+    assert result.step == 2
+    assert sorted(ran) == [(0, 0), (0, 1), (2, 0), (2, 1)]
+
+
+async def test_running_jobs_of_other_devices_are_awaited() -> None:
+    started, finished = threading.Event(), threading.Event()
+
+    def slow_or_fail(ctx: WorkerContext, shard: None) -> None:
+        if ctx.device.index == 0:
+            started.wait(5.0)  # fail once cpu#1 is running, not merely queued
+            raise RuntimeError("fast failure")
+        started.set()
+        time.sleep(0.3)
+        finished.set()
+
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        with pytest.raises(WorkerFailedError):
+            await scheduler.run(slow_or_fail, [None, None])
+        # The failure was raised only once the running job on cpu#1 had finished.
+        assert finished.is_set()
+
+
+async def test_failed_job_pins_no_tensor_once_the_error_is_dropped() -> None:
+    refs: list[weakref.ref[torch.Tensor]] = []
+
+    def allocate_then_fail(ctx: WorkerContext, shard: None) -> None:
+        activations = torch.ones(256, 256)
+        refs.append(weakref.ref(activations))
+        raise RuntimeError("out of memory, pretend")
+
+    gc.collect()
+    gc.disable()  # freed by reference counting alone: no cycle keeps the tensors alive
+    try:
+        async with StepScheduler(cpu_devices(2)) as scheduler:
+            try:
+                await scheduler.run(allocate_then_fail, [None, None])
+            except WorkerFailedError as error:  # not pytest.raises: it would keep the error
+                assert len(refs) == 2
+                # The traceback is kept for debugging, so the tensors are alive while held.
+                assert all(ref() is not None for ref in refs)
+                assert isinstance(error.__cause__, RuntimeError)  # noqa: PT017
+            assert [ref() for ref in refs] == [None, None]
+    finally:
+        gc.enable()
+
+
+async def test_error_from_a_real_step_pickles() -> None:
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        with pytest.raises(WorkerFailedError) as info:
+            await scheduler.run(fail_on(where, device=1), [None, None])
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert str(copy) == str(info.value)
+    assert copy.device == info.value.device
+    cause = pickle.loads(pickle.dumps(info.value.__cause__))
+    assert isinstance(cause, InjectedFailure)
+    assert cause.device_index == 1
+
+
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])
+async def test_keyboard_interrupt_and_system_exit_reach_the_caller(
+    exc_type: type[BaseException],
+) -> None:
+    raised = exc_type()
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        with pytest.raises(exc_type) as info:
+            await scheduler.run(fail_on(where, device=1, error=raised), [None, None])
+        assert info.value is raised
+        assert "raised by the job on device cpu#1" in info.value.__notes__[0]
+        # Still usable afterwards.
+        assert len((await scheduler.run(where, [None, None])).outputs) == 2
+
+
+async def test_step_timeout_names_the_device_that_did_not_finish(release: threading.Event) -> None:
+    timeout = 0.3
+    async with StepScheduler(cpu_devices(4), step_timeout=timeout) as scheduler:
+        start = time.monotonic()
+        with pytest.raises(WorkerTimeoutError) as info:
+            await scheduler.run(hang_on(where, device=2, release=release), [None] * 4)
+        elapsed = time.monotonic() - start
+        release.set()
+        assert timeout <= elapsed < timeout + 0.5
+        error = info.value
+        assert isinstance(error, WorkerFailedError)
+        assert error.device.name == "cpu#2"
+        assert error.other_failures == ()
+        assert error.__cause__ is None
+        assert "did not finish within step_timeout=0.3 s" in str(error)
+        # Once the job lets go, the device serves the next step.
+        result = await scheduler.run(where, [None] * 4)
+        assert len(result.outputs) == 4
+
+
+async def test_cancelling_a_step_keeps_the_loop_and_the_scheduler_alive() -> None:
+    started = threading.Event()
+    ticks = 0
+
+    def slow(ctx: WorkerContext, shard: None) -> str:
+        started.set()
+        time.sleep(0.3)
+        return ctx.device.name
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.005)
+            ticks += 1
+
+    async with StepScheduler(cpu_devices(2)) as scheduler, anyio.create_task_group() as group:
+        group.start_soon(ticker)
+        with anyio.move_on_after(0.1) as scope:
+            await scheduler.run(slow, [None, None])
+        assert scope.cancelled_caught
+        assert started.is_set()
+        assert ticks >= 5  # the loop kept running while the step ran and was cancelled
+        result = await scheduler.run(where, [None, None])
+        assert [name for name, _ in result.outputs] == ["cpu#0", "cpu#1"]
+        group.cancel_scope.cancel()
+
+
+async def test_cancellation_drops_jobs_that_have_not_started(release: threading.Event) -> None:
+    ran: list[int] = []
+    async with StepScheduler(cpu_devices(2), step_timeout=0.1) as scheduler:
+        with pytest.raises(WorkerTimeoutError):
+            await scheduler.run(hang_on(lambda c, s: None, device=1, release=release), [0, 0])
+        with anyio.move_on_after(0.1):
+            await scheduler.run(lambda ctx, shard: ran.append(ctx.device.index), [0, 0])
+        release.set()
+        await scheduler.run(lambda ctx, shard: None, [0, 0])
+    assert ran == [0]  # cpu#1's job was still queued when the step was cancelled
+
+
+async def test_event_loop_stays_free_during_a_compute_heavy_step() -> None:
+    lags: list[float] = []
+    stop = anyio.Event()
+
+    def compute(ctx: WorkerContext, shard: torch.Tensor) -> float:
+        total = 0.0
+        for _ in range(20):
+            total += float((shard @ shard).sum())
+        return total
+
+    async def ticker() -> None:
+        while not stop.is_set():
+            before = time.perf_counter()
+            await anyio.sleep(0.001)
+            lags.append(time.perf_counter() - before - 0.001)
+
+    shards = [torch.randn(384, 384) for _ in range(2)]
+    async with StepScheduler(cpu_devices(2)) as scheduler, anyio.create_task_group() as group:
+        group.start_soon(ticker)
+        await anyio.sleep(0.01)
+        start = time.perf_counter()
+        for _ in range(3):
+            await scheduler.run(compute, shards)
+        busy = time.perf_counter() - start
+        stop.set()
+    assert busy > 0.05, "the step should be long enough to observe the loop"
+    assert len(lags) > 10
+    # Blocking the loop for the step would show lags of the whole step (busy / 3).
+    assert max(lags) < min(0.05, busy / 6), (max(lags), busy)
+    assert statistics.median(lags) < 0.01
+
+
+async def test_run_needs_an_open_scheduler() -> None:
+    scheduler = StepScheduler(cpu_devices(2))
+    with pytest.raises(SchedulerClosedError, match="async with"):
+        await scheduler.run(where, [None, None])
+    async with scheduler:
+        pass
+    with pytest.raises(SchedulerClosedError):
+        await scheduler.run(where, [None, None])
+    with pytest.raises(SchedulerClosedError, match="started already"):
+        async with scheduler:
+            pass
+    await scheduler.aclose()  # closing twice is harmless
+
+
+async def test_close_finishes_queued_work_and_joins_threads() -> None:
+    async with StepScheduler(cpu_devices(4)) as scheduler:
+        await scheduler.run(where, [None] * 4)
+        threads = asyncddp_threads()
+        assert len(threads) == 4
+    assert not any(thread.is_alive() for thread in threads)
+    assert "closed" in repr(scheduler)
+
+
+async def test_close_warns_and_leaves_a_hung_worker_behind(release: threading.Event) -> None:
+    scheduler = StepScheduler(cpu_devices(2), step_timeout=0.05, drain_timeout=0.2)
+    async with scheduler:
+        with pytest.raises(WorkerTimeoutError):
+            await scheduler.run(hang_on(where, device=0, release=release), [None, None])
+        with pytest.warns(RuntimeWarning, match=r"asyncddp-worker\[cpu#0\] is still running"):
+            await scheduler.aclose()
+    release.set()  # the left-behind thread exits once its job returns (checked by the fixture)
+
+
+async def test_bad_timeouts_are_rejected() -> None:
+    with pytest.raises(ValueError, match="step_timeout"):
+        StepScheduler(cpu_devices(1), step_timeout=0)
+    with pytest.raises(ValueError, match="drain_timeout"):
+        StepScheduler(cpu_devices(1), drain_timeout=-1.0)
+
+
+async def test_dropped_scheduler_stops_its_threads() -> None:
+    scheduler = StepScheduler(cpu_devices(2))
+    scheduler.start()
+    threads = asyncddp_threads()
+    assert len(threads) == 2
+    del scheduler
+    gc.collect()
+    for thread in threads:
+        thread.join(timeout=2.0)
+    assert asyncddp_threads() == []
+
+
+@pytest.mark.cuda
+async def test_cuda_workers_have_their_own_streams_and_devices() -> None:
+    count = torch.cuda.device_count()
+    devices = asyncddp.resolve_devices("cuda")
+
+    def info(ctx: WorkerContext, shard: torch.Tensor) -> tuple[int, int, float]:
+        assert ctx.stream is not None
+        x = shard.to(ctx.torch_device, non_blocking=True)
+        y = (x @ x).sum()
+        return torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream, float(y)
+
+    async with StepScheduler(devices) as scheduler:
+        result = await scheduler.run(info, [torch.ones(64, 64)] * count)
+    assert [current for current, _, _ in result.outputs] == list(range(count))
+    streams = [stream for _, stream, _ in result.outputs]
+    assert len(set(streams)) == count
+    assert all(
+        stream != torch.cuda.default_stream(i).cuda_stream for i, stream in enumerate(streams)
+    )
+    assert all(total == 64.0 * 64 * 64 for _, _, total in result.outputs)
