@@ -16,6 +16,7 @@ The loop thread never runs a job and never blocks on a thread: it queues, then a
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 import time
 import warnings
@@ -100,17 +101,22 @@ class _Step:
 
 
 def _execute(
-    worker: DeviceWorker, state: CallerState, fn: Callable[..., Any], ctx: object, shard: object
+    worker: DeviceWorker,
+    state: CallerState,
+    context: contextvars.Context,
+    fn: Callable[..., Any],
+    ctx: object,
+    shard: object,
 ) -> tuple[bool, Any]:
     # A failure's traceback starts in this frame, whose locals hold no reference to the step.
     try:
-        return True, worker.invoke(state, fn, ctx, shard)
+        return True, worker.invoke(state, context, fn, ctx, shard)
     except BaseException as exc:
         return False, exc
 
 
 class _Job:
-    __slots__ = ("fn", "index", "number", "phase", "shard", "state", "step", "worker")
+    __slots__ = ("context", "fn", "index", "number", "phase", "shard", "state", "step", "worker")
 
     def __init__(
         self,
@@ -119,6 +125,7 @@ class _Job:
         worker: DeviceWorker,
         fn: Callable[..., Any],
         shard: object,
+        state: CallerState,
         number: int,
         phase: str | None,
     ) -> None:
@@ -127,11 +134,12 @@ class _Job:
         self.worker = worker
         self.fn = fn
         self.shard = shard
-        self.state = CallerState.capture(worker.device.type)
+        self.state = state
+        self.context = contextvars.copy_context()
         self.number = number
         self.phase = phase
 
-    def __call__(self) -> None:
+    def __call__(self) -> Callable[[], None] | None:
         step = self.step
         with step.lock:
             run = not step.cancelled
@@ -140,7 +148,7 @@ class _Job:
         ok, value = True, cast(Any, None)
         if run:
             ctx = WorkerContext(self.worker.device, self.worker.stream, self.number, self.phase)
-            ok, value = _execute(self.worker, self.state, self.fn, ctx, self.shard)
+            ok, value = _execute(self.worker, self.state, self.context, self.fn, ctx, self.shard)
         with step.lock:
             if run:
                 step.running -= 1
@@ -155,13 +163,13 @@ class _Job:
                 or (not ok and len(step.failures) == 1)
                 or (step.cancelled and step.running == 0)
             )
-        if wake:
-            step.waker.wake_threadsafe()
+        notify = step.waker.wake_threadsafe if wake else None
         # A failure's traceback reaches this frame too (through _execute's f_back), and the
         # step holds that failure: drop every reference to the step, so that no reference
         # cycle keeps what the job made alive once the caller drops the error.
-        self.step = self.fn = self.shard = self.state = None  # type: ignore[assignment]
+        self.step = self.fn = self.shard = self.context = None  # type: ignore[assignment]
         del step, value
+        return notify
 
 
 def _stop_all(workers: Sequence[DeviceWorker]) -> None:
@@ -201,6 +209,7 @@ class StepScheduler:
                     f"{name} must be a positive number of seconds or None, got {value!r}"
                 )
         self.devices: tuple[Device, ...] = resolve_devices(devices)
+        self._device_types = frozenset(device.type for device in self.devices)
         self.step_timeout = step_timeout
         self.drain_timeout = drain_timeout
         self._workers: tuple[DeviceWorker, ...] = ()
@@ -375,8 +384,9 @@ class StepScheduler:
         phase: str | None,
     ) -> _Step:
         state = _Step(len(self._workers), waker)
+        caller = {kind: CallerState.capture(kind) for kind in self._device_types}
         jobs = [
-            _Job(state, index, worker, fn, shard, number, phase)
+            _Job(state, index, worker, fn, shard, caller[worker.device.type], number, phase)
             for index, (worker, shard) in enumerate(zip(self._workers, shards, strict=True))
         ]
         # Queue them in one tight loop: a woken worker waits for the GIL until this thread

@@ -20,7 +20,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,6 +29,9 @@ from ._devices import Device
 __all__ = ["CallerState", "DeviceWorker", "WorkerContext"]
 
 _log = logging.getLogger("asyncddp")
+
+#: A job: runs in the worker, returns what to call once it is dropped (or None).
+Job = Callable[[], "Callable[[], None] | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,11 +56,13 @@ class WorkerContext:
         return self.device.torch_device
 
 
-@dataclass(frozen=True, slots=True)
-class CallerState:
-    """The thread-local state of the caller, to be re-entered in a worker."""
+class CallerState(NamedTuple):
+    """The caller's thread-local torch state, to be re-entered in a worker.
 
-    context: contextvars.Context
+    Context variables travel separately: one ``contextvars.Context`` cannot be entered by two
+    threads at once, so every job gets its own copy.
+    """
+
     grad_enabled: bool
     autocast_enabled: bool
     autocast_dtype: torch.dtype
@@ -66,18 +71,19 @@ class CallerState:
     def capture(cls, device_type: str) -> CallerState:
         """Capture the calling thread's state for jobs on devices of ``device_type``."""
         return cls(
-            context=contextvars.copy_context(),
-            grad_enabled=torch.is_grad_enabled(),
-            autocast_enabled=torch.is_autocast_enabled(device_type),
-            autocast_dtype=torch.get_autocast_dtype(device_type),
+            torch.is_grad_enabled(),
+            torch.is_autocast_enabled(device_type),
+            torch.get_autocast_dtype(device_type),
         )
 
 
 class DeviceWorker:
     """A thread that runs one device's jobs, in order.
 
-    A job is any callable taking no arguments; jobs report their own results (see
-    ``_scheduler``). The worker only runs them and keeps going, whatever they raise.
+    A job is a callable taking no arguments; it reports its own result (see ``_scheduler``)
+    and may return a callable to run once the job is dropped, just before the worker waits for
+    its next job: the place to wake whoever waits for the result. The worker only runs jobs and
+    keeps going, whatever they raise.
 
     Args:
         device: The device to run jobs for.
@@ -86,7 +92,7 @@ class DeviceWorker:
     def __init__(self, device: Device) -> None:
         self.device = device
         self.stream: torch.cuda.Stream | None = None
-        self._queue: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._setup_error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._main, name=f"asyncddp-worker[{device.name}]", daemon=True
@@ -101,7 +107,7 @@ class DeviceWorker:
         """Start the thread. It sets up its device (and stream) before its first job."""
         self._thread.start()
 
-    def submit(self, job: Callable[[], object]) -> None:
+    def submit(self, job: Job) -> None:
         """Queue ``job``; it runs after every job queued before it. Safe from any thread."""
         self._queue.put(job)
 
@@ -115,7 +121,13 @@ class DeviceWorker:
             self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def invoke(self, state: CallerState, fn: Callable[..., Any], *args: Any) -> Any:
+    def invoke(
+        self,
+        state: CallerState,
+        context: contextvars.Context,
+        fn: Callable[..., Any],
+        *args: Any,
+    ) -> Any:
         """Run ``fn(*args)`` in the caller's state; call only from this worker's thread."""
         if self._setup_error is not None:
             raise RuntimeError(
@@ -126,9 +138,9 @@ class DeviceWorker:
         torch.set_grad_enabled(state.grad_enabled)
         if state.autocast_enabled:
             with torch.autocast(self.device.type, dtype=state.autocast_dtype):
-                result = state.context.run(fn, *args)
+                result = context.run(fn, *args)
         else:
-            result = state.context.run(fn, *args)
+            result = context.run(fn, *args)
         if self.stream is not None:
             # Host-device sync point: the job is done only when its kernels are.
             self.stream.synchronize()
@@ -149,8 +161,14 @@ class DeviceWorker:
             if job is None:
                 return
             try:
-                job()
+                notify = job()
             except BaseException:  # jobs report their own errors; this is a bug in asyncddp
                 _log.exception("asyncddp worker for %s: a job failed to report", self.device)
+                notify = None
             # Drop the job before blocking on the queue, so that nothing it held stays alive.
             del job
+            if notify is not None:
+                # Last, right before this thread waits again and so lets go of the GIL: the
+                # thread it wakes needs the GIL at once, and would otherwise wake only to wait.
+                notify()
+                del notify

@@ -9,7 +9,11 @@ gathering, nothing else:
 - asyncddp:        await scheduler.run(noop, shards)
 - run_in_executor: one loop.run_in_executor per device inside an asyncio.TaskGroup
 - blocking:        concurrent.futures submit() per device, then result() on each (blocks the
-                   caller: the floor for thread hand-off without an event loop)
+                   caller). Its pool shares one queue, so one thread may run every no-op.
+- hand-off floor:  what any design with one thread per device pays: a bare queue per thread,
+                   one counter and one loop wake-up per step, none of asyncddp's bookkeeping
+                   (context capture, failure handling, progress). Printed to show where the
+                   time goes: asyncddp minus this is asyncddp's own overhead.
 
 The three are interleaved in rounds and each figure is the median over rounds, since shared
 machines are noisy. Ratios below 1.0 mean asyncddp is cheaper. Targets at 2 devices:
@@ -20,7 +24,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
+import queue
 import statistics
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -62,21 +69,68 @@ def time_blocking(executor: ThreadPoolExecutor, devices: int, steps: int) -> flo
     return (time.perf_counter() - start) / steps
 
 
+class HandOffFloor:
+    """One thread per device, a bare queue each, one loop wake-up per step."""
+
+    def __init__(self, devices: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.devices = devices
+        self.loop = loop
+        self.queues: list[
+            queue.SimpleQueue[tuple[itertools.count[int], asyncio.Future[None]] | None]
+        ]
+        self.queues = [queue.SimpleQueue() for _ in range(devices)]
+        self.threads = [threading.Thread(target=self._work, args=(q,)) for q in self.queues]
+        for thread in self.threads:
+            thread.start()
+
+    def _work(
+        self, jobs: queue.SimpleQueue[tuple[itertools.count[int], asyncio.Future[None]] | None]
+    ) -> None:
+        while (job := jobs.get()) is not None:
+            done, future = job
+            noop()
+            if next(done) == self.devices:  # the last device to finish wakes the loop
+                self.loop.call_soon_threadsafe(future.set_result, None)
+
+    async def time(self, steps: int) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            job = (itertools.count(1), self.loop.create_future())
+            for jobs in self.queues:
+                jobs.put(job)
+            await job[1]
+        return (time.perf_counter() - start) / steps
+
+    def close(self) -> None:
+        for jobs in self.queues:
+            jobs.put(None)
+        for thread in self.threads:
+            thread.join()
+
+
 async def measure(devices: int, steps: int, rounds: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {"asyncddp": [], "run_in_executor": [], "blocking": []}
-    with ThreadPoolExecutor(max_workers=devices) as executor:
-        async with asyncddp.StepScheduler(asyncddp.cpu_devices(devices)) as scheduler:
-            shards: list[None] = [None] * devices
-            # Warm up: start the pool's threads, fill caches.
-            await time_asyncddp(scheduler, shards, steps // 10 + 1)
-            await time_run_in_executor(executor, devices, steps // 10 + 1)
-            time_blocking(executor, devices, steps // 10 + 1)
-            for _ in range(rounds):
-                times["asyncddp"].append(await time_asyncddp(scheduler, shards, steps))
-                times["run_in_executor"].append(
-                    await time_run_in_executor(executor, devices, steps)
-                )
-                times["blocking"].append(time_blocking(executor, devices, steps))
+    names = ("asyncddp", "run_in_executor", "blocking", "floor")
+    times: dict[str, list[float]] = {name: [] for name in names}
+    floor = HandOffFloor(devices, asyncio.get_running_loop())
+    try:
+        with ThreadPoolExecutor(max_workers=devices) as executor:
+            async with asyncddp.StepScheduler(asyncddp.cpu_devices(devices)) as scheduler:
+                shards: list[None] = [None] * devices
+                # Warm up: start the pool's threads, fill caches.
+                warmup = steps // 10 + 1
+                await time_asyncddp(scheduler, shards, warmup)
+                await time_run_in_executor(executor, devices, warmup)
+                time_blocking(executor, devices, warmup)
+                await floor.time(warmup)
+                for _ in range(rounds):
+                    times["asyncddp"].append(await time_asyncddp(scheduler, shards, steps))
+                    times["run_in_executor"].append(
+                        await time_run_in_executor(executor, devices, steps)
+                    )
+                    times["blocking"].append(time_blocking(executor, devices, steps))
+                    times["floor"].append(await floor.time(steps))
+    finally:
+        floor.close()
     return {name: statistics.median(values) for name, values in times.items()}
 
 
@@ -92,7 +146,7 @@ async def main() -> None:
     print(f"no-op step, median of {args.rounds} rounds x {args.steps} steps; times in us/step")
     header = (
         f"{'devices':>7}  {'asyncddp':>9}  {'run_in_executor':>15}  {'blocking':>9}"
-        f"  {'vs executor':>11}  {'vs blocking':>11}"
+        f"  {'vs executor':>11}  {'vs blocking':>11}  {'hand-off floor':>14}  {'own overhead':>12}"
     )
     print(header)
     for devices in args.devices:
@@ -101,7 +155,8 @@ async def main() -> None:
         print(
             f"{devices:>7}  {ours * 1e6:>9.1f}  {result['run_in_executor'] * 1e6:>15.1f}"
             f"  {result['blocking'] * 1e6:>9.1f}  {ours / result['run_in_executor']:>10.2f}x"
-            f"  {ours / result['blocking']:>10.2f}x"
+            f"  {ours / result['blocking']:>10.2f}x  {result['floor'] * 1e6:>14.1f}"
+            f"  {(ours - result['floor']) * 1e6:>12.1f}"
         )
 
 
