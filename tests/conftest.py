@@ -15,6 +15,7 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+# --8<-- [start:no_leaked_worker_threads]
 @pytest.fixture(autouse=True)
 def no_leaked_worker_threads() -> Iterator[None]:
     """Fail any test that leaves an asyncddp worker thread alive."""
@@ -25,6 +26,9 @@ def no_leaked_worker_threads() -> Iterator[None]:
         thread.join(timeout=2.0)  # a thread that is on its way out gets a moment to finish
     alive = [thread.name for thread in leaked if thread.is_alive()]
     assert not alive, f"worker threads left alive: {alive}"
+
+
+# --8<-- [end:no_leaked_worker_threads]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,0 +1,61 @@
+"""The examples, the README and the CI script, as a new user meets them."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_example(*args: str) -> str:
+    completed = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert completed.returncode == 0, completed.stderr
+    return completed.stdout
+
+
+def test_quickstart_prints_what_its_comment_says() -> None:
+    assert run_example("examples/quickstart.py").strip() == "(30.0, 255.0) 10/? items"
+
+
+def test_scheduler_basics_trains_and_names_the_failed_device() -> None:
+    out = run_example("examples/scheduler_basics.py", "--devices", "3", "--epochs", "2")
+    assert "training on cpu#0, cpu#1, cpu#2" in out
+    losses = [float(loss) for loss in re.findall(r"loss ([0-9.]+)", out)]
+    assert len(losses) == 2
+    assert losses[-1] < 0.001
+    assert "4096/4096 items" in out
+    assert "caught: training worker on device cpu#2 failed: " in out
+
+
+def test_trio_quickstart_runs_under_trio() -> None:
+    assert run_example("examples/trio_quickstart.py").strip() == "(2, 4)"
+
+
+def test_the_users_test_example_passes() -> None:
+    out = run_example(
+        "-m", "pytest", "-q", "-p", "no:cacheprovider", "examples/test_with_asyncddp.py"
+    )
+    assert "2 passed" in out
+
+
+def test_readme_example_is_the_quickstart_file() -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```python\n(.*?)```", readme, re.DOTALL)
+    assert block is not None
+    quickstart = (ROOT / "examples" / "quickstart.py").read_text()
+    assert block.group(1).strip() in quickstart
+
+
+def test_ci_runs_the_readme_commands() -> None:
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.DOTALL)
+    commands = [line for block in blocks for line in block.splitlines() if line.strip()]
+    assert commands, "the README shows no commands"
+    for command in commands:
+        assert command in ci, f".ci/run does not run the README's {command!r}"
