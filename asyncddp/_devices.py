@@ -109,7 +109,9 @@ def resolve_devices(spec: DeviceSpec) -> tuple[Device, ...]:
     """
     if isinstance(spec, (str, int, torch.device, Device)):
         found = _resolve_one(spec, top_level=True)
-    elif isinstance(spec, Iterable) and not isinstance(spec, (bytes, bytearray, Mapping)):
+    elif isinstance(spec, Iterable) and not isinstance(
+        spec, (bytes, bytearray, Mapping, set, frozenset)
+    ):
         found = []
         for item in spec:
             if not isinstance(item, (str, int, torch.device, Device)):
@@ -118,6 +120,11 @@ def resolve_devices(spec: DeviceSpec) -> tuple[Device, ...]:
                     "give a string such as 'cuda:0', an int, a torch.device or an asyncddp.Device"
                 )
             found.extend(_resolve_one(item, top_level=False))
+    elif isinstance(spec, (set, frozenset)):
+        raise DeviceTypeError(
+            f"devices cannot be a {type(spec).__name__}: it has no order, and every process "
+            "must number the devices alike; give a list"
+        )
     else:
         raise DeviceTypeError(
             f"cannot read {type(spec).__name__} {spec!r} as devices; give 'auto', 'cuda', "
@@ -143,7 +150,10 @@ def _resolve_one(
     spec: str | int | torch.device | Device, *, top_level: bool
 ) -> list[tuple[torch.device, str]]:
     if isinstance(spec, Device):
-        return [(spec.torch_device, spec.name)]
+        # Checked like any other spec: a Device can be built by hand.
+        if spec.torch_device.type == "cpu":
+            return [(spec.torch_device, spec.name)]
+        return _resolve_one(spec.torch_device, top_level=False)
     if isinstance(spec, bool):
         raise DeviceTypeError(f"cannot read bool {spec!r} as a device")
     if isinstance(spec, int):
@@ -173,7 +183,7 @@ def _parse(text: str) -> list[tuple[torch.device, str]]:
             raise DeviceError(f"'cuda' was asked for, but no CUDA GPU is visible; {_CPU_HINT}")
         return _all_cuda(count)
     kind, sep, number = spec.partition(":" if ":" in spec else "#")
-    if sep and number.isdigit():
+    if sep and number.isascii() and number.isdecimal():
         if kind == "cuda" and sep == ":":
             return [_cuda(int(number), text)]
         if kind == "cpu" and sep == "#":

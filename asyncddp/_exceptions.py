@@ -8,6 +8,10 @@ keeps working::
     ├── DeviceError (ValueError)            a device spec that cannot be used
     │   └── DeviceTypeError (TypeError)     a device spec of the wrong type
     ├── ShardError (ValueError)             shards that do not fit the devices
+    ├── ConfigurationError (ValueError)     a Trainer or fit argument that cannot work
+    ├── DataError (ValueError)              data with no batches, or a batch that cannot be split
+    ├── StepOutputError (TypeError)         a step function that returns no scalar loss
+    ├── CheckpointError                     a checkpoint that cannot be read
     ├── SchedulerClosedError (RuntimeError) a scheduler used outside ``async with``
     └── WorkerFailedError                   a device's job raised
         └── WorkerTimeoutError              a device's job did not finish in time
@@ -29,10 +33,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AsyncDDPError",
+    "CheckpointError",
+    "ConfigurationError",
+    "DataError",
     "DeviceError",
     "DeviceTypeError",
     "SchedulerClosedError",
     "ShardError",
+    "StepOutputError",
     "WorkerFailedError",
     "WorkerTimeoutError",
 ]
@@ -52,6 +60,30 @@ class DeviceTypeError(DeviceError, TypeError):
 
 class ShardError(AsyncDDPError, ValueError):
     """The shards given for a step do not match the devices (one shard per device)."""
+
+
+class ConfigurationError(AsyncDDPError, ValueError):
+    """An argument to :class:`Trainer` or ``fit`` cannot work (for example ``epochs=0``)."""
+
+
+class DataError(AsyncDDPError, ValueError):
+    """Data yields no batch, or a batch cannot be split into shards.
+
+    A batch is a tensor, or a tuple, list or dict of tensors, that share their size along
+    dim 0 (the batch dimension).
+    """
+
+
+class StepOutputError(AsyncDDPError, TypeError):
+    """A step function returned something other than a scalar loss tensor.
+
+    A step returns the loss (a scalar tensor, the mean over the shard's items), or a mapping
+    with a ``"loss"`` entry and further metrics (scalars, means over the shard's items).
+    """
+
+
+class CheckpointError(AsyncDDPError):
+    """A checkpoint file is missing, truncated, corrupt, or not an asyncddp checkpoint."""
 
 
 class SchedulerClosedError(AsyncDDPError, RuntimeError):
@@ -118,7 +150,7 @@ class WorkerFailedError(AsyncDDPError):
         error = cls(
             device=device,
             error_type=_qualified_name(type(exc)),
-            error_message=str(exc),
+            error_message=_message(exc),
             rank=rank,
             step=step,
             epoch=epoch,
@@ -142,7 +174,9 @@ class WorkerFailedError(AsyncDDPError):
     def __reduce__(self) -> tuple[Any, ...]:
         # Exceptions pickle through ``args`` by default, which would drop every field. The cause
         # is not pickled (it may hold tensors or unpicklable state); its type and message are.
-        return (_restore, (type(self), self._fields()))
+        notes = getattr(self, "__notes__", None)
+        state = {"__notes__": list(notes)} if notes else None
+        return (_restore, (type(self), self._fields()), state)
 
     def __str__(self) -> str:
         if self.rank is None:
@@ -189,6 +223,13 @@ class WorkerTimeoutError(WorkerFailedError):
 
     def _fields(self) -> dict[str, Any]:
         return {**super()._fields(), "timeout": self.timeout}
+
+
+def _message(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:  # a user's __str__ that raises must not hide the failure itself
+        return f"<unprintable {type(exc).__name__} object>"
 
 
 def _qualified_name(cls: type[BaseException]) -> str:

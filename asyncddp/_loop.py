@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any, Protocol
 
+import anyio
+
 __all__ = ["Waker", "current_waker"]
 
 
@@ -30,14 +32,15 @@ class Waker(Protocol):
         Cancellable: a cancellation of the waiting task propagates.
         """
 
-    async def wait_shielded(self, deadline: float | None) -> tuple[bool, bool]:
+    async def wait_shielded(self, deadline: float | None) -> tuple[bool, BaseException | None]:
         """Like :meth:`wait`, but a cancellation neither interrupts nor is lost.
 
         Returns:
-            ``(woken, cancel_requested)``. Under asyncio, ``cancel_requested`` is True when the
-            task was cancelled while it waited, and the caller must raise ``CancelledError``
-            itself. Under trio cancellation is level-triggered and comes back at the next
-            checkpoint, so it is always False.
+            ``(woken, cancellation)``. Under asyncio, ``cancellation`` is the first
+            ``CancelledError`` that arrived while waiting (a plain ``task.cancel()``), which the
+            caller must re-raise, as that very object: anyio recognises its own cancellations
+            by it. Cancellations from anyio or trio cancel scopes are held off by a shielding
+            scope and come back, level-triggered, at the next checkpoint; then it is None.
         """
 
 
@@ -77,13 +80,16 @@ class _AsyncioWaker:
         self._pending = False
         return woken
 
-    async def wait_shielded(self, deadline: float | None) -> tuple[bool, bool]:
-        cancel_requested = False
-        while True:
-            try:
-                return await self.wait(deadline), cancel_requested
-            except asyncio.CancelledError:
-                cancel_requested = True
+    async def wait_shielded(self, deadline: float | None) -> tuple[bool, BaseException | None]:
+        cancellation: BaseException | None = None
+        # Without the shield, an anyio cancel scope would cancel this task again on every
+        # loop pass, and this loop would spin until the wait ended.
+        with anyio.CancelScope(shield=True):
+            while True:
+                try:
+                    return await self.wait(deadline), cancellation
+                except asyncio.CancelledError as exc:
+                    cancellation = cancellation or exc
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -113,9 +119,9 @@ class _TrioWaker:
             self._event = self._trio.Event()
         return woken
 
-    async def wait_shielded(self, deadline: float | None) -> tuple[bool, bool]:
+    async def wait_shielded(self, deadline: float | None) -> tuple[bool, BaseException | None]:
         with self._trio.CancelScope(shield=True):
-            return await self.wait(deadline), False
+            return await self.wait(deadline), None
 
 
 def current_waker() -> Waker:

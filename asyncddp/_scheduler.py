@@ -15,7 +15,6 @@ The loop thread never runs a job and never blocks on a thread: it queues, then a
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import threading
 import time
@@ -25,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, TypeVar, cast
+
+import anyio
 
 from ._data import count_items
 from ._devices import Device, DeviceSpec, resolve_devices
@@ -72,6 +73,7 @@ class _Step:
         "outputs",
         "remaining",
         "running",
+        "shielded",
         "waker",
     )
 
@@ -83,17 +85,23 @@ class _Step:
         self.remaining = size
         self.running = 0
         self.cancelled = False
+        self.shielded = False  # every job runs, even after a failure or a cancellation
         # (device index, exception), in the order the failures happened.
         self.failures: list[tuple[int, BaseException]] = []
 
     def cancel(self) -> None:
-        """Drop the jobs that have not started yet."""
+        """Drop the jobs that have not started yet, and any output (nobody will read it)."""
         with self.lock:
             self.cancelled = True
+            self.outputs = [None] * len(self.outputs)
 
     def settled(self) -> bool:
         with self.lock:
             return self.remaining == 0 or bool(self.failures)
+
+    def all_done(self) -> bool:
+        with self.lock:
+            return self.remaining == 0
 
     def idle(self) -> bool:
         with self.lock:
@@ -155,12 +163,13 @@ class _Job:
             step.remaining -= 1
             step.finished[self.index] = True
             if ok:
-                step.outputs[self.index] = value
+                if not step.cancelled:
+                    step.outputs[self.index] = value
             else:
                 step.failures.append((self.index, value))
             wake = (
                 step.remaining == 0
-                or (not ok and len(step.failures) == 1)
+                or (not ok and len(step.failures) == 1 and not step.shielded)
                 or (step.cancelled and step.running == 0)
             )
         notify = step.waker.wake_threadsafe if wake else None
@@ -216,6 +225,7 @@ class StepScheduler:
         self._state = "new"
         self._next_step = 0
         self._tracker = ProgressTracker(len(self.devices))
+        self._closed: anyio.Event | None = None
 
     def __repr__(self) -> str:
         names = ", ".join(device.name for device in self.devices)
@@ -246,9 +256,17 @@ class StepScheduler:
         """Start the worker threads (``async with`` does this for you)."""
         if self._state != "new":
             raise SchedulerClosedError(f"{self!r} was started already; make a new one")
-        self._workers = tuple(DeviceWorker(device) for device in self.devices)
-        for worker in self._workers:
-            worker.start()
+        workers = tuple(DeviceWorker(device) for device in self.devices)
+        started: list[DeviceWorker] = []
+        try:
+            for worker in workers:
+                worker.start()
+                started.append(worker)
+        except BaseException:
+            _stop_all(started)
+            raise
+        self._workers = workers
+        self._closed = anyio.Event()
         self._state = "open"
         # A scheduler dropped without being closed still stops its threads.
         weakref.finalize(self, _stop_all, self._workers)
@@ -264,18 +282,29 @@ class StepScheduler:
         arrives meanwhile is delivered afterwards.
         """
         if self._state == "closed":
+            if self._closed is not None:
+                await self._closed.wait()  # another task is closing it: wait for the joins
             return
         self._state = "closed"
         if not self._workers:
             return
+        try:
+            cancellation = await self._close_workers()
+        finally:
+            assert self._closed is not None
+            self._closed.set()
+        if cancellation is not None:
+            raise cancellation
+
+    async def _close_workers(self) -> BaseException | None:
         waker = current_waker()
         step = self._dispatch(waker, _noop, [None] * len(self._workers), -1, "close")
         _stop_all(self._workers)
         deadline = None if self.drain_timeout is None else time.monotonic() + self.drain_timeout
-        cancel_requested = False
-        while not step.settled():
+        cancellation: BaseException | None = None
+        while not step.all_done():
             woken, cancelled = await waker.wait_shielded(deadline)
-            cancel_requested |= cancelled
+            cancellation = cancellation or cancelled
             if not woken:
                 break
         for worker, done in zip(self._workers, step.finished, strict=True):
@@ -286,10 +315,9 @@ class StepScheduler:
                     f"{worker.thread.name} is still running a job after drain_timeout="
                     f"{self.drain_timeout} s; left behind, it exits once the job returns",
                     RuntimeWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
-        if cancel_requested:
-            raise asyncio.CancelledError()
+        return cancellation
 
     async def run(
         self,
@@ -300,6 +328,7 @@ class StepScheduler:
         step: int | None = None,
         epoch: int | None = None,
         phase: str | None = "train",
+        shield: bool = False,
     ) -> StepResult[T]:
         """Run ``fn(ctx, shard)`` on every device's worker, one shard per device.
 
@@ -315,6 +344,9 @@ class StepScheduler:
             step: The step's number, for errors; by default the count of earlier steps.
             epoch: The epoch, for errors.
             phase: What the step does, for errors (``"train"``, ``"valid"``, ...).
+            shield: Run every job of the step to its end, whatever happens: no job is dropped
+                after a failure or a cancellation (``step_timeout`` still applies). For steps
+                that must happen on every device or on none, such as an optimizer step.
 
         Returns:
             The outputs in device order, the item counts and the progress so far.
@@ -333,7 +365,7 @@ class StepScheduler:
             When the awaiting task is cancelled, jobs not yet started are dropped, and the
             call waits (shielded, up to ``drain_timeout``) for the jobs already running before
             the cancellation goes on; the event loop keeps running meanwhile, and the
-            scheduler stays usable.
+            scheduler stays usable. With ``shield=True`` every job runs to its end first.
         """
         if self._state != "open":
             raise SchedulerClosedError(
@@ -345,24 +377,34 @@ class StepScheduler:
         self._next_step += 1
         waker = current_waker()
         deadline = None if self.step_timeout is None else time.monotonic() + self.step_timeout
-        state = self._dispatch(waker, fn, shards, number, phase)
-        try:
-            settled = await self._wait_settled(state, waker, deadline)
-        except BaseException:
-            state.cancel()
-            await self._drain(state, waker)
-            raise
-        if not settled:
-            error: BaseException = self._timeout_error(state, number, epoch, phase)
-        elif state.failures:
-            state.cancel()
-            cancel_requested = await self._drain(state, waker)
-            error = self._failure_error(state, number, epoch, phase)
-            if cancel_requested:
-                cancelled = asyncio.CancelledError()
-                cancelled.__cause__ = error
-                error = cancelled
+        state = self._dispatch(waker, fn, shards, number, phase, shield=shield)
+        cancellation: BaseException | None = None
+        if shield:
+            cancellation = await self._wait_all_shielded(state, waker, deadline)
+            settled = state.settled()
         else:
+            try:
+                settled = await self._wait_settled(state, waker, deadline)
+            except BaseException:
+                state.cancel()
+                await self._drain(state, waker)
+                del state, shards, fn
+                raise
+        timeout = None if settled else self._timeout_error(state, number, epoch, phase)
+        error: BaseException | None = None
+        if timeout is not None:
+            error = timeout
+        elif state.failures:
+            if not shield:
+                state.cancel()
+                cancellation = await self._drain(state, waker)
+            error = self._failure_error(state, number, epoch, phase)
+            if cancellation is not None and isinstance(error, Exception):
+                cancellation.__cause__ = error
+                error = cancellation
+        elif cancellation is not None:
+            error = cancellation
+        if error is None:
             return StepResult(
                 outputs=tuple(state.outputs),
                 items=counts,
@@ -372,8 +414,9 @@ class StepScheduler:
         try:
             raise error
         finally:
-            # The traceback holds this frame: break the error -> frame -> error cycle.
-            del error, state
+            # The traceback holds this frame: break the error -> frame -> error cycle, and
+            # let the shards and outputs go while the caller holds the error.
+            del error, state, shards, fn, cancellation
 
     def _dispatch(
         self,
@@ -382,8 +425,11 @@ class StepScheduler:
         shards: Sequence[object],
         number: int,
         phase: str | None,
+        *,
+        shield: bool = False,
     ) -> _Step:
         state = _Step(len(self._workers), waker)
+        state.shielded = shield
         caller = {kind: CallerState.capture(kind) for kind in self._device_types}
         jobs = [
             _Job(state, index, worker, fn, shard, caller[worker.device.type], number, phase)
@@ -402,16 +448,29 @@ class StepScheduler:
                 return state.settled()
         return True
 
-    async def _drain(self, state: _Step, waker: Waker) -> bool:
-        """Wait, shielded, for the step's running jobs; returns whether a cancel came."""
-        deadline = None if self.drain_timeout is None else time.monotonic() + self.drain_timeout
-        cancel_requested = False
-        while not state.idle():
+    @staticmethod
+    async def _wait_all_shielded(
+        state: _Step, waker: Waker, deadline: float | None
+    ) -> BaseException | None:
+        """Wait, shielded, for every job; returns a cancellation that came meanwhile."""
+        cancellation: BaseException | None = None
+        while not state.all_done():
             woken, cancelled = await waker.wait_shielded(deadline)
-            cancel_requested |= cancelled
+            cancellation = cancellation or cancelled
             if not woken:
                 break
-        return cancel_requested
+        return cancellation
+
+    async def _drain(self, state: _Step, waker: Waker) -> BaseException | None:
+        """Wait, shielded, for the step's running jobs; returns a cancellation that came."""
+        deadline = None if self.drain_timeout is None else time.monotonic() + self.drain_timeout
+        cancellation: BaseException | None = None
+        while not state.idle():
+            woken, cancelled = await waker.wait_shielded(deadline)
+            cancellation = cancellation or cancelled
+            if not woken:
+                break
+        return cancellation
 
     def _failure_error(
         self, state: _Step, number: int, epoch: int | None, phase: str | None
@@ -435,9 +494,12 @@ class StepScheduler:
 
     def _timeout_error(
         self, state: _Step, number: int, epoch: int | None, phase: str | None
-    ) -> WorkerTimeoutError:
+    ) -> WorkerTimeoutError | None:
         with state.lock:
+            if state.remaining == 0 or state.failures:
+                return None  # it settled after the wait gave up: report what happened
             state.cancelled = True
+            state.outputs = [None] * len(state.outputs)
             late = [index for index, done in enumerate(state.finished) if not done]
         assert self.step_timeout is not None
         errors = [

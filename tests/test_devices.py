@@ -153,3 +153,27 @@ def test_bad_devices_fail_before_any_thread_starts() -> None:
 
 def test_device_spec_is_exported() -> None:
     assert asyncddp.DeviceSpec is _devices.DeviceSpec
+
+
+@pytest.mark.usefixtures("two_gpus")
+def test_hand_made_device_values_are_checked_too() -> None:
+    with pytest.raises(DeviceError, match="does not exist"):
+        resolve_devices([Device(index=0, torch_device=torch.device("cuda", 7), name="cuda:7")])
+    with pytest.raises(DeviceError, match="given twice"):
+        resolve_devices(
+            [
+                Device(index=0, torch_device=torch.device("cuda", 1), name="one"),
+                Device(index=1, torch_device=torch.device("cuda", 1), name="another"),
+            ]
+        )
+
+
+def test_sets_have_no_order_and_are_refused() -> None:
+    with pytest.raises(DeviceTypeError, match="no order"):
+        resolve_devices({"cpu#0", "cpu#1"})
+
+
+@pytest.mark.parametrize("spec", ["cuda:\u00b2", "cpu#\u00b3"])
+def test_unicode_digits_are_unknown_devices(spec: str) -> None:
+    with pytest.raises(DeviceError, match="unknown device"):
+        resolve_devices(spec)

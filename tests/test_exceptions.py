@@ -101,3 +101,10 @@ def test_public_classes_live_in_the_public_module(name: str) -> None:
     value = getattr(asyncddp, name)
     if isinstance(value, type):
         assert value.__module__ == "asyncddp"
+
+
+def test_notes_survive_pickling() -> None:
+    error = WorkerFailedError(device=CPU1, error_type="E", error_message="m")
+    error.add_note("while training the digits model")
+    copy = pickle.loads(pickle.dumps(error))
+    assert copy.__notes__ == ["while training the digits model"]

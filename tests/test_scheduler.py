@@ -438,3 +438,137 @@ async def test_cuda_workers_have_their_own_streams_and_devices() -> None:
         stream != torch.cuda.default_stream(i).cuda_stream for i, stream in enumerate(streams)
     )
     assert all(total == 64.0 * 64 * 64 for _, _, total in result.outputs)
+
+
+# -- regressions found in review -------------------------------------------------------------
+
+
+async def test_draining_after_a_cancel_does_not_spin_the_loop() -> None:
+    def slow(ctx: WorkerContext, shard: None) -> None:
+        time.sleep(0.4)
+
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        cpu_before = time.process_time()
+        with anyio.move_on_after(0.05):
+            await scheduler.run(slow, [None, None])
+        # The drain waited ~0.35 s for the jobs; sleeping costs no CPU, spinning would.
+        assert time.process_time() - cpu_before < 0.15
+
+
+async def test_a_deadline_during_a_failure_drain_yields_the_failure() -> None:
+    def fail_then_slow(ctx: WorkerContext, shard: None) -> None:
+        if ctx.device.index == 0:
+            time.sleep(0.05)
+            raise RuntimeError("boom")
+        time.sleep(0.4)
+
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        # The deadline passes while the failure waits for cpu#1: the failure is what the
+        # caller gets (as trio would have it), never a bare cancellation escaping the scope.
+        with pytest.raises(WorkerFailedError), anyio.move_on_after(0.2):
+            await scheduler.run(fail_then_slow, [None, None])
+        assert len((await scheduler.run(where, [None, None])).outputs) == 2
+
+
+async def test_closing_inside_a_cancelled_scope_stays_inside_it() -> None:
+    with anyio.CancelScope() as scope:
+        async with StepScheduler(cpu_devices(2)) as scheduler:
+            await scheduler.run(where, [None, None])
+            scope.cancel()
+    assert scope.cancelled_caught or scope.cancel_called
+    assert asyncddp_threads() == []
+
+
+async def test_a_step_that_settles_as_the_timeout_fires_is_reported_as_it_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Make the wait give up exactly as the jobs finish: the race the review found.
+    original = StepScheduler._wait_settled
+
+    async def late_wait(state, waker, deadline):  # type: ignore[no-untyped-def]
+        await original(state, waker, None)
+        return False
+
+    monkeypatch.setattr(StepScheduler, "_wait_settled", staticmethod(late_wait))
+    async with StepScheduler(cpu_devices(2), step_timeout=5.0) as scheduler:
+        result = await scheduler.run(where, [None, None])
+        assert len(result.outputs) == 2
+        with pytest.raises(WorkerFailedError) as info:
+            await scheduler.run(fail_on(where, device=1), [None, None])
+        assert not isinstance(info.value, WorkerTimeoutError)
+        assert isinstance(info.value.__cause__, InjectedFailure)
+
+
+async def test_a_held_error_pins_only_the_failing_shard() -> None:
+    shards = [torch.ones(64, 64), torch.ones(64, 64)]
+    refs = [weakref.ref(shard) for shard in shards]
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        with pytest.raises(WorkerFailedError) as info:
+            await scheduler.run(fail_on(lambda ctx, shard: None, device=1), shards)
+        del shards
+        # The healthy device's shard is free while the error is held; the failing one is
+        # kept by its own traceback, for debugging.
+        assert refs[0]() is None
+        assert refs[1]() is not None
+        del info
+    assert refs[1]() is None
+
+
+async def test_an_unprintable_exception_still_names_the_device() -> None:
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no")
+
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        with pytest.raises(WorkerFailedError) as info:
+            await scheduler.run(fail_on(where, device=0, error=Unprintable()), [None, None])
+    assert "<unprintable Unprintable object>" in str(info.value)
+    assert info.value.device.name == "cpu#0"
+
+
+async def test_a_second_close_waits_for_the_threads() -> None:
+    scheduler = StepScheduler(cpu_devices(2))
+    scheduler.start()
+    threads = asyncddp_threads()
+    async with anyio.create_task_group() as group:
+        group.start_soon(scheduler.aclose)
+        group.start_soon(scheduler.aclose)
+    assert not any(thread.is_alive() for thread in threads)
+
+
+async def test_a_shielded_step_runs_every_job_before_a_cancellation_goes_on(
+    release: threading.Event,
+) -> None:
+    ran: list[int] = []
+
+    def record(ctx: WorkerContext, shard: None) -> None:
+        if ctx.device.index == 0:
+            release.wait(5.0)
+        ran.append(ctx.device.index)
+
+    async with StepScheduler(cpu_devices(2)) as scheduler, anyio.create_task_group() as group:
+
+        async def cancel_soon() -> None:
+            await anyio.sleep(0.05)
+            release.set()
+            group.cancel_scope.cancel()
+
+        group.start_soon(cancel_soon)
+        await scheduler.run(record, [None, None], shield=True)
+        await anyio.sleep(1)  # the cancellation arrives at the latest here
+    assert sorted(ran) == [0, 1]
+
+
+async def test_a_shielded_step_waits_for_every_job_after_a_failure() -> None:
+    finished = threading.Event()
+
+    def fail_or_finish(ctx: WorkerContext, shard: None) -> None:
+        if ctx.device.index == 0:
+            raise RuntimeError("boom")
+        time.sleep(0.2)
+        finished.set()
+
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        with pytest.raises(WorkerFailedError):
+            await scheduler.run(fail_or_finish, [None, None], shield=True)
+        assert finished.is_set()
