@@ -1,16 +1,20 @@
-"""Batches and shards: how many items a shard holds.
+"""Batches and shards: counting items, splitting batches across devices, moving them there.
 
 A batch is a tensor, or a tuple, list or dict of them (nested), with the items along dim 0, as
-``torch.utils.data.default_collate`` makes them.
+``torch.utils.data.default_collate`` makes them. Tensors with a batch dimension are split; other
+leaves (numbers, strings, 0-dim tensors) are handed to every shard as they are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
-__all__ = ["count_items"]
+from ._exceptions import DataError
+
+__all__ = ["count_items", "items_in", "items_total", "move_to", "pin", "split_batch"]
 
 
 def count_items(shard: object) -> int:
@@ -45,3 +49,128 @@ def _first_tensor_count(value: object) -> int | None:
         if found is not None:
             return found
     return None
+
+
+def items_in(batch: object) -> int:
+    """The batch size of ``batch``: the common dim-0 size of its tensors.
+
+    Raises:
+        DataError: ``batch`` holds no tensor with a batch dimension, or tensors whose dim 0
+            sizes differ.
+    """
+    sizes = {int(leaf.shape[0]) for leaf in _leaves(batch) if _splittable(leaf)}
+    if not sizes:
+        raise DataError(
+            f"a batch must hold at least one tensor with a batch dimension (dim 0); got "
+            f"{_describe(batch)}. Batches are tensors, or tuples, lists and dicts of tensors"
+        )
+    if len(sizes) > 1:
+        raise DataError(
+            f"the tensors of a batch must share their size along dim 0 (the batch dimension); "
+            f"got sizes {sorted(sizes)} in {_describe(batch)}"
+        )
+    return sizes.pop()
+
+
+def split_batch(batch: Any, parts: int) -> list[Any]:
+    """Split ``batch`` along dim 0 into ``parts`` shards, as even as can be.
+
+    Shard sizes differ by one at most; when the batch has fewer items than ``parts``, the last
+    shards are empty (0 items). The shards are views: nothing is copied.
+    """
+    size = items_in(batch)
+    # Item counts that differ by at most one, the larger first, as tensor_split makes them.
+    counts = [size // parts + (1 if i < size % parts else 0) for i in range(parts)]
+    starts = [sum(counts[:i]) for i in range(parts)]
+    return [_slice(batch, start, start + count) for start, count in zip(starts, counts, strict=True)]
+
+
+def _slice(value: Any, start: int, stop: int) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[start:stop] if _splittable(value) else value
+    if isinstance(value, Mapping):
+        return type(value)({key: _slice(item, start, stop) for key, item in value.items()})  # type: ignore[call-arg]
+    if isinstance(value, tuple):
+        sliced = [_slice(item, start, stop) for item in value]
+        return type(value)(*sliced) if hasattr(value, "_fields") else tuple(sliced)
+    if isinstance(value, list):
+        return [_slice(item, start, stop) for item in value]
+    return value
+
+
+def move_to(value: Any, device: torch.device, *, non_blocking: bool = False) -> Any:
+    """Move every tensor in ``value`` to ``device``, keeping the structure."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=non_blocking)
+    if isinstance(value, Mapping):
+        return type(value)(  # type: ignore[call-arg]
+            {key: move_to(item, device, non_blocking=non_blocking) for key, item in value.items()}
+        )
+    if isinstance(value, tuple):
+        moved = [move_to(item, device, non_blocking=non_blocking) for item in value]
+        return type(value)(*moved) if hasattr(value, "_fields") else tuple(moved)
+    if isinstance(value, list):
+        return [move_to(item, device, non_blocking=non_blocking) for item in value]
+    return value
+
+
+def pin(value: Any) -> Any:
+    """Page-lock every CPU tensor in ``value``, for fast, asynchronous copies to a GPU."""
+    if isinstance(value, torch.Tensor):
+        return value.pin_memory() if value.device.type == "cpu" else value
+    if isinstance(value, Mapping):
+        return type(value)({key: pin(item) for key, item in value.items()})  # type: ignore[call-arg]
+    if isinstance(value, tuple):
+        pinned = [pin(item) for item in value]
+        return type(value)(*pinned) if hasattr(value, "_fields") else tuple(pinned)
+    if isinstance(value, list):
+        return [pin(item) for item in value]
+    return value
+
+
+def items_total(data: Iterable[Any]) -> int | None:
+    """How many items one pass over ``data`` yields, when that can be known without iterating.
+
+    Knows ``torch.utils.data.DataLoader`` (with its ``drop_last``) over a sized dataset, and
+    sequences of batches (each batch counted). ``None`` otherwise.
+    """
+    dataset = getattr(data, "dataset", None)
+    batch_size = getattr(data, "batch_size", None)
+    if dataset is not None and batch_size and hasattr(dataset, "__len__"):
+        sampler = getattr(data, "sampler", None)
+        size = len(sampler) if hasattr(sampler, "__len__") else len(dataset)
+        if getattr(data, "drop_last", False):
+            size = size // batch_size * batch_size
+        return size
+    if isinstance(data, (list, tuple)):
+        try:
+            return sum(items_in(batch) for batch in data)
+        except DataError:
+            return None
+    return None
+
+
+def _leaves(value: object) -> Iterable[object]:
+    if isinstance(value, Mapping):
+        for item in value.values():
+            yield from _leaves(item)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _leaves(item)
+    else:
+        yield value
+
+
+def _splittable(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor of shape {tuple(value.shape)}"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(_describe(item) for item in value)
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    return type(value).__name__

@@ -87,9 +87,11 @@ class _AsyncioWaker:
         with anyio.CancelScope(shield=True):
             while True:
                 try:
-                    return await self.wait(deadline), cancellation
+                    woken = await self.wait(deadline)
+                    break
                 except asyncio.CancelledError as exc:
                     cancellation = cancellation or exc
+        return woken, cancellation
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
