@@ -7,7 +7,7 @@ leaves (numbers, strings, 0-dim tensors) are handed to every shard as they are.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sized
 from typing import Any
 
 import torch
@@ -58,7 +58,11 @@ def items_in(batch: object) -> int:
         DataError: ``batch`` holds no tensor with a batch dimension, or tensors whose dim 0
             sizes differ.
     """
-    sizes = {int(leaf.shape[0]) for leaf in _leaves(batch) if _splittable(leaf)}
+    sizes = {
+        int(leaf.shape[0])
+        for leaf in _leaves(batch)
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+    }
     if not sizes:
         raise DataError(
             f"a batch must hold at least one tensor with a batch dimension (dim 0); got "
@@ -82,7 +86,9 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     # Item counts that differ by at most one, the larger first, as tensor_split makes them.
     counts = [size // parts + (1 if i < size % parts else 0) for i in range(parts)]
     starts = [sum(counts[:i]) for i in range(parts)]
-    return [_slice(batch, start, start + count) for start, count in zip(starts, counts, strict=True)]
+    return [
+        _slice(batch, start, start + count) for start, count in zip(starts, counts, strict=True)
+    ]
 
 
 def _slice(value: Any, start: int, stop: int) -> Any:
@@ -138,7 +144,7 @@ def items_total(data: Iterable[Any]) -> int | None:
     batch_size = getattr(data, "batch_size", None)
     if dataset is not None and batch_size and hasattr(dataset, "__len__"):
         sampler = getattr(data, "sampler", None)
-        size = len(sampler) if hasattr(sampler, "__len__") else len(dataset)
+        size = len(sampler) if isinstance(sampler, Sized) else len(dataset)
         if getattr(data, "drop_last", False):
             size = size // batch_size * batch_size
         return size

@@ -1,0 +1,128 @@
+"""Checkpoints: written atomically, read back with a clear error when they cannot be.
+
+A checkpoint is written to a temporary file in the target folder, flushed to disk, then renamed
+over the target (``os.replace`` is atomic on POSIX and Windows), so a process killed while
+writing leaves the previous checkpoint whole. It is read with ``torch.load(weights_only=True)``:
+tensors, numbers, strings and containers only, no arbitrary code.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from ._exceptions import CheckpointError
+
+__all__ = ["capture_rng", "checkpoint_name", "latest_checkpoint", "load", "restore_rng", "save"]
+
+FORMAT = "asyncddp-checkpoint"
+VERSION = 1
+_NAME = re.compile(r"^epoch(\d+)-step(\d+)\.ckpt$")
+
+
+def checkpoint_name(epoch: int, step: int) -> str:
+    """The file name fit uses for a checkpoint: ``epoch0003-step000120.ckpt``."""
+    return f"epoch{epoch:04d}-step{step:06d}.ckpt"
+
+
+def save(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Write ``state`` to ``path`` atomically (temporary file, fsync, rename)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            torch.save({"format": FORMAT, "version": VERSION, **state}, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    _fsync_folder(target.parent)
+    return target
+
+
+def load(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save`, onto the CPU.
+
+    Raises:
+        CheckpointError: the file is missing, truncated, corrupt, or not an asyncddp checkpoint.
+    """
+    source = Path(path)
+    if not source.is_file():
+        raise CheckpointError(f"no checkpoint at {str(source)!r}")
+    try:
+        state = torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(
+            f"checkpoint {str(source)!r} cannot be read; it is truncated or corrupt "
+            f"({type(exc).__name__}: {exc}). Resume from an earlier checkpoint"
+        ) from exc
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{str(source)!r} is not an asyncddp checkpoint")
+    if state.get("version") != VERSION:
+        raise CheckpointError(
+            f"checkpoint {str(source)!r} has format version {state.get('version')!r}; this "
+            f"asyncddp reads version {VERSION}"
+        )
+    return state
+
+
+def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint in ``folder`` with the highest epoch and step, or None."""
+    found: list[tuple[int, int, Path]] = []
+    root = Path(folder)
+    if not root.is_dir():
+        return None
+    for entry in root.iterdir():
+        match = _NAME.match(entry.name)
+        if match and entry.is_file():
+            found.append((int(match[1]), int(match[2]), entry))
+    return max(found)[2] if found else None
+
+
+def capture_rng() -> dict[str, Any]:
+    """The state of every random number generator training may draw from."""
+    numpy_state = cast(tuple[Any, ...], np.random.get_state(legacy=True))
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        # As plain values, so that the checkpoint loads with weights_only=True.
+        "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put every generator back in the state :func:`capture_rng` saw."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_folder(folder: Path) -> None:
+    # Makes the rename itself durable; not possible (nor needed) on every platform.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,193 @@
+"""What a Trainer reports while it trains: typed events, and the bounded streams that carry them.
+
+Events hold numbers and strings only, never tensors. Each ``trainer.events()`` call makes a
+stream of its own with a bounded buffer: a consumer that falls behind loses the *oldest* events
+(counted in ``EventStream.dropped``), so it can never slow training down or grow memory without
+bound. A stream ends after the ``FitEnded`` event of the fit it saw.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import anyio
+
+from ._progress import Progress
+
+__all__ = [
+    "CheckpointSaved",
+    "DeviceDropped",
+    "EpochEnded",
+    "Event",
+    "EventHub",
+    "EventStream",
+    "FitEnded",
+    "FitStarted",
+    "StepEnded",
+    "StepRetried",
+    "ValidationEnded",
+    "WorkerFailed",
+]
+
+
+@dataclass(frozen=True)
+class Event:
+    """The base of every trainer event."""
+
+
+@dataclass(frozen=True)
+class FitStarted(Event):
+    """``fit`` has started (after a resume, at the epoch it resumes from)."""
+
+    epochs: int
+    start_epoch: int
+    devices: tuple[str, ...]
+    items_total: int | None
+
+
+@dataclass(frozen=True)
+class StepEnded(Event):
+    """An optimizer step is done. ``loss`` and ``metrics`` are means over its items."""
+
+    epoch: int
+    step: int
+    loss: float
+    items: int
+    progress: Progress
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    lr: float | None = None
+
+
+@dataclass(frozen=True)
+class EpochEnded(Event):
+    """A training epoch is done. ``train_loss`` is the mean over every item of the epoch."""
+
+    epoch: int
+    train_loss: float
+    items: int
+    seconds: float
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ValidationEnded(Event):
+    """Validation is done; ``metrics`` are exact means over every validation item."""
+
+    epoch: int | None
+    metrics: Mapping[str, float]
+    items: int
+
+
+@dataclass(frozen=True)
+class CheckpointSaved(Event):
+    """A checkpoint was written (atomically) to ``path``."""
+
+    path: str
+    epoch: int
+    step: int
+
+
+@dataclass(frozen=True)
+class WorkerFailed(Event):
+    """A device's job failed. ``action`` says what the trainer does next."""
+
+    device: str
+    epoch: int | None
+    step: int | None
+    phase: str | None
+    error: str
+    action: str
+
+
+@dataclass(frozen=True)
+class StepRetried(Event):
+    """A failed step is being run again (``attempt`` counts from 1)."""
+
+    epoch: int
+    step: int
+    attempt: int
+
+
+@dataclass(frozen=True)
+class DeviceDropped(Event):
+    """A failed device was removed; training goes on with ``remaining``."""
+
+    device: str
+    remaining: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FitEnded(Event):
+    """``fit`` has returned or raised. ``stopped`` is True after ``stop()``."""
+
+    epoch: int
+    step: int
+    stopped: bool
+    reason: str | None = None
+    error: str | None = None
+
+
+class EventStream:
+    """One consumer's view of a trainer's events: ``async for event in stream``.
+
+    Attributes:
+        dropped: Events lost because this consumer fell more than ``maxlen`` behind.
+    """
+
+    def __init__(self, hub: EventHub, maxlen: int) -> None:
+        self._hub = hub
+        self._queue: collections.deque[Event] = collections.deque(maxlen=maxlen)
+        self._wakeup: anyio.Event | None = None
+        self._ended = False
+        self.dropped = 0
+
+    def _push(self, event: Event) -> None:
+        if len(self._queue) == self._queue.maxlen:
+            self.dropped += 1
+        self._queue.append(event)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        while not self._queue:
+            if self._ended:
+                raise StopAsyncIteration
+            self._wakeup = anyio.Event()
+            await self._wakeup.wait()
+        event = self._queue.popleft()
+        if isinstance(event, FitEnded):
+            self.close()
+        return event
+
+    def close(self) -> None:
+        """Stop receiving events; the iteration ends once the buffer is read."""
+        self._ended = True
+        self._hub.unsubscribe(self)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+
+class EventHub:
+    """Fans each event out to every open stream; lives on the event loop thread."""
+
+    def __init__(self, maxlen: int = 1000) -> None:
+        self._maxlen = maxlen
+        self._streams: list[EventStream] = []
+
+    def subscribe(self, maxlen: int | None = None) -> EventStream:
+        stream = EventStream(self, maxlen or self._maxlen)
+        self._streams.append(stream)
+        return stream
+
+    def unsubscribe(self, stream: EventStream) -> None:
+        if stream in self._streams:
+            self._streams.remove(stream)
+
+    def publish(self, event: Event) -> None:
+        for stream in tuple(self._streams):
+            stream._push(event)

@@ -1,0 +1,149 @@
+"""Iterating the user's data on a thread of its own, a few batches ahead of training.
+
+A ``DataLoader`` may block for a long time in ``next()`` (disk, decoding, worker processes):
+on the event loop that would freeze every other task. :class:`Prefetcher` calls ``iter()`` and
+``next()`` on a named thread (``asyncddp-loader``) and hands batches to the loop through a
+small bounded buffer, so the next batch loads while the devices compute the current one.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import Any
+
+from ._loop import Waker, current_waker
+
+__all__ = ["Prefetcher"]
+
+_DONE = object()
+
+
+class _Failed:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class Prefetcher:
+    """Iterates ``data`` on a thread, ``depth`` batches ahead; ``async for`` over it.
+
+    Args:
+        data: Any iterable of batches.
+        depth: How many batches may wait, loaded, for the loop to take them.
+        transform: Applied to each batch on the loader thread (for example, pinning memory).
+        name: What the data is called in errors.
+        close_timeout: How long closing waits for a ``next()`` call in progress.
+    """
+
+    def __init__(
+        self,
+        data: Iterable[Any],
+        *,
+        depth: int = 2,
+        transform: Callable[[Any], Any] | None = None,
+        name: str = "data",
+        close_timeout: float = 30.0,
+    ) -> None:
+        self._data = data
+        self._transform = transform
+        self._name = name
+        self._close_timeout = close_timeout
+        self._buffer: collections.deque[Any] = collections.deque()
+        self._slots = threading.Semaphore(depth)
+        self._stop = threading.Event()
+        self._finished = threading.Event()
+        self._waker: Waker | None = None
+        self._thread = threading.Thread(target=self._main, name="asyncddp-loader", daemon=True)
+
+    async def __aenter__(self) -> Prefetcher:
+        self._waker = current_waker()
+        self._thread.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __aiter__(self) -> Prefetcher:
+        return self
+
+    async def __anext__(self) -> Any:
+        waker = self._waker
+        assert waker is not None, "use 'async with Prefetcher(...)'"
+        while not self._buffer:
+            await waker.wait(None)
+        item = self._buffer.popleft()
+        self._slots.release()
+        if item is _DONE:
+            self._buffer.appendleft(_DONE)  # every later call ends too
+            raise StopAsyncIteration
+        if isinstance(item, _Failed):
+            error = item.error
+            del item
+            error.add_note(f"raised while iterating {self._name} (on the asyncddp-loader thread)")
+            try:
+                raise error
+            finally:
+                del error
+        return item
+
+    async def aclose(self) -> None:
+        """Stop loading and wait (shielded, up to ``close_timeout``) for the thread to exit."""
+        if self._thread.ident is None or self._waker is None:
+            return
+        self._stop.set()
+        self._slots.release()  # a thread waiting for room wakes up and sees the stop
+        deadline = time.monotonic() + self._close_timeout
+        cancellation: BaseException | None = None
+        while not self._finished.is_set():
+            woken, cancelled = await self._waker.wait_shielded(deadline)
+            cancellation = cancellation or cancelled
+            if not woken:
+                break
+        if self._finished.is_set():
+            self._thread.join()
+        else:
+            warnings.warn(
+                f"the asyncddp-loader thread is still inside next() on {self._name} after "
+                f"{self._close_timeout} s; left behind, it exits once that call returns",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._buffer.clear()
+        if cancellation is not None:
+            raise cancellation
+
+    def _main(self) -> None:
+        waker = self._waker
+        assert waker is not None
+        try:
+            iterator = iter(self._data)
+            while True:
+                self._slots.acquire()
+                if self._stop.is_set():
+                    return
+                try:
+                    item = next(iterator)
+                except StopIteration:
+                    self._buffer.append(_DONE)
+                    return
+                if self._transform is not None:
+                    item = self._transform(item)
+                self._buffer.append(item)
+                del item
+                waker.wake_threadsafe()
+        except BaseException as error:  # handed to the loop, raised there
+            self._buffer.append(_Failed(error))
+        finally:
+            self._finished.set()
+            waker.wake_threadsafe()

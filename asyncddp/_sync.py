@@ -1,0 +1,235 @@
+"""Gradient reduction across replicas, in flat buckets, and step backups.
+
+Every replica keeps its gradients in flat buffers (one per dtype), each parameter's ``.grad``
+a view into it, so autograd accumulates straight into the buckets and reducing them is a few
+large operations rather than one per parameter (as DDP's ``gradient_as_bucket_view``).
+
+The in-process all-reduce runs on the devices' own workers, in two steps, so that every device
+works on it at once:
+
+1. **reduce-scatter**: worker ``i`` sums chunk ``i`` of every replica's buffer into a scratch
+   buffer of its own, scales it (item weighting, loss-scale undo), and reports its squared norm
+   and whether it is finite;
+2. **all-gather**: worker ``j`` copies every scratch chunk into its own buffer, times the
+   clipping coefficient, before its optimizer step.
+
+Owners never write what others read within a step, so the two steps need no locks, only the
+step boundary between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["FlatGrads", "StepBackup", "chunk_bounds"]
+
+
+def chunk_bounds(numel: int, parts: int, index: int) -> tuple[int, int]:
+    """The ``index``-th of ``parts`` near-equal slices of ``range(numel)``."""
+    return numel * index // parts, numel * (index + 1) // parts
+
+
+class FlatGrads:
+    """One replica's gradients, in flat buffers with each ``.grad`` a view into them.
+
+    Args:
+        params: The replica's trainable parameters, in a fixed order shared by all replicas.
+        parts: How many replicas reduce together (the number of chunks per buffer).
+        index: This replica's position, which chunk it owns.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], parts: int, index: int) -> None:
+        self.params = list(params)
+        self.parts = parts
+        self.index = index
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for param in self.params:
+            by_dtype.setdefault(param.dtype, []).append(param)
+        self.buffers: list[torch.Tensor] = []
+        self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
+        for dtype, group in by_dtype.items():
+            buffer = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=group[0].device)
+            offset = 0
+            for param in group:
+                view = buffer[offset : offset + param.numel()].view_as(param)
+                self._views.append((param, view))
+                offset += param.numel()
+            self.buffers.append(buffer)
+        self.scratch = [
+            torch.empty(
+                chunk_bounds(b.numel(), parts, index)[1] - chunk_bounds(b.numel(), parts, index)[0],
+                dtype=b.dtype,
+                device=b.device,
+            )
+            for b in self.buffers
+        ]
+        self.attach()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def attach(self) -> None:
+        """Make every ``.grad`` a view into the buffers again (keeping its values)."""
+        for param, view in self._views:
+            grad = param.grad
+            if grad is view:
+                continue
+            if grad is not None:
+                view.copy_(grad)
+            param.grad = view
+
+    def zero_(self) -> None:
+        for buffer in self.buffers:
+            buffer.zero_()
+
+    def chunk(self, buffer: int, owner: int) -> torch.Tensor:
+        start, stop = chunk_bounds(self.buffers[buffer].numel(), self.parts, owner)
+        return self.buffers[buffer][start:stop]
+
+
+def reduce_scatter(
+    replicas: Sequence[FlatGrads], index: int, scale: float, *, want_norm: bool
+) -> tuple[float, bool]:
+    """Step 1 on worker ``index``: sum chunk ``index`` of every replica into its scratch.
+
+    Returns the squared norm of the reduced chunk (0.0 unless ``want_norm``) and whether it is
+    all finite.
+    """
+    own = replicas[index]
+    norm_sq = 0.0
+    finite = True
+    for b, scratch in enumerate(own.scratch):
+        if len(replicas) == 1:
+            # One replica: reduce in place, no scratch copy.
+            scratch = own.buffers[b]
+            if scale != 1.0:
+                scratch.mul_(scale)
+        else:
+            device = scratch.device
+            torch.add(
+                replicas[0].chunk(b, index).to(device, non_blocking=True),
+                replicas[1].chunk(b, index).to(device, non_blocking=True),
+                out=scratch,
+            )
+            for other in replicas[2:]:
+                scratch.add_(other.chunk(b, index).to(device, non_blocking=True))
+            if scale != 1.0:
+                scratch.mul_(scale)
+        if want_norm:
+            norm_sq += float(torch.linalg.vector_norm(scratch, dtype=torch.float32) ** 2)
+        finite = finite and bool(torch.isfinite(scratch).all())
+    return norm_sq, finite
+
+
+def all_gather(replicas: Sequence[FlatGrads], index: int, coefficient: float) -> None:
+    """Step 2 on worker ``index``: fill its buffers from every owner's scratch, scaled."""
+    own = replicas[index]
+    if len(replicas) == 1:
+        if coefficient != 1.0:
+            for buffer in own.buffers:
+                buffer.mul_(coefficient)
+        return
+    for b in range(len(own.buffers)):
+        for owner, replica in enumerate(replicas):
+            target = own.chunk(b, owner)
+            source = replica.scratch[b].to(target.device, non_blocking=True)
+            if coefficient != 1.0:
+                torch.mul(source, coefficient, out=target)
+            else:
+                target.copy_(source)
+
+
+@dataclass
+class _Saved:
+    params: list[torch.Tensor]
+    state: list[dict[str, Any] | None]
+    groups: list[dict[str, Any]]
+    scheduler: dict[str, Any] | None
+
+
+class StepBackup:
+    """A copy of parameters and optimizer state taken before a step, to undo a failed one.
+
+    Buffers are kept between steps, so after the first step a backup allocates nothing.
+    """
+
+    def __init__(self) -> None:
+        self._saved: _Saved | None = None
+
+    def capture(
+        self,
+        params: Sequence[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any | None,
+    ) -> None:
+        old = self._saved
+        if old is None or len(old.params) != len(params):
+            saved_params = [p.detach().clone() for p in params]
+        else:
+            saved_params = old.params
+            torch._foreach_copy_(saved_params, [p.detach() for p in params])
+        states: list[dict[str, Any] | None] = []
+        for i, param in enumerate(params):
+            state = optimizer.state.get(param)
+            if not state:
+                states.append(None)
+                continue
+            previous = old.state[i] if old is not None and i < len(old.state) else None
+            copy: dict[str, Any] = {}
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    buffer = previous.get(key) if previous else None
+                    if (
+                        isinstance(buffer, torch.Tensor)
+                        and buffer.shape == value.shape
+                        and buffer.dtype == value.dtype
+                        and buffer.device == value.device
+                    ):
+                        buffer.copy_(value)
+                        copy[key] = buffer
+                    else:
+                        copy[key] = value.detach().clone()
+                else:
+                    copy[key] = value
+            states.append(copy)
+        groups = [
+            {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
+        ]
+        self._saved = _Saved(
+            saved_params, states, groups, scheduler.state_dict() if scheduler is not None else None
+        )
+
+    def restore(
+        self,
+        params: Sequence[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any | None,
+    ) -> None:
+        saved = self._saved
+        if saved is None:
+            return
+        with torch.no_grad():
+            torch._foreach_copy_([p.detach() for p in params], saved.params)
+        for param, state in zip(params, saved.state, strict=True):
+            if state is None:
+                optimizer.state.pop(param, None)
+                continue
+            live = optimizer.state.setdefault(param, {})
+            for key in list(live):
+                if key not in state:
+                    del live[key]
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and isinstance(live.get(key), torch.Tensor):
+                    live[key].copy_(value)
+                else:
+                    live[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        for group, hyper in zip(optimizer.param_groups, saved.groups, strict=True):
+            group.update(hyper)
+        if scheduler is not None and saved.scheduler is not None:
+            scheduler.load_state_dict(saved.scheduler)

@@ -1,0 +1,750 @@
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import anyio
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import asyncddp
+from asyncddp import (
+    CheckpointSaved,
+    ConfigurationError,
+    DataError,
+    EpochEnded,
+    FitEnded,
+    FitStarted,
+    StepEnded,
+    StepOutputError,
+    Trainer,
+    ValidationEnded,
+    WorkerFailedError,
+    cpu_devices,
+)
+
+pytestmark = pytest.mark.anyio
+
+FEATURES = 6
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def make_batches(sizes: list[int], seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(size, FEATURES, generator=generator),
+            torch.randint(0, 3, (size,), generator=generator),
+        )
+        for size in sizes
+    ]
+
+
+def loss_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    inputs, targets = batch
+    return F.cross_entropy(model(inputs), targets)
+
+
+def metric_step(
+    model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    inputs, targets = batch
+    logits = model(inputs)
+    return {
+        "loss": F.cross_entropy(logits, targets),
+        "accuracy": (logits.argmax(1) == targets).float().mean(),
+    }
+
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+ADAMW = functools.partial(torch.optim.AdamW, lr=0.01, weight_decay=0.01)
+
+
+def reference(
+    batches: list[Any],
+    epochs: int,
+    optimizer: Callable[..., torch.optim.Optimizer],
+    *,
+    clip: float | None = None,
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+) -> nn.Module:
+    """One device given each whole batch: the plain PyTorch loop asyncddp must match."""
+    model = make_model()
+    opt = optimizer(model.parameters())
+    sched = scheduler(opt) if scheduler else None
+    for _ in range(epochs):
+        for batch in batches:
+            opt.zero_grad()
+            loss_step(model, batch).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+        if sched is not None:
+            sched.step()
+    return model
+
+
+def assert_close(actual: nn.Module, expected: nn.Module, tol: float = 1e-5) -> None:
+    for (name, a), b in zip(
+        actual.state_dict().items(), expected.state_dict().values(), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=f"parameter {name} differs")
+
+
+def assert_replicas_identical(trainer: Trainer) -> None:
+    first = trainer._replicas[0].model.state_dict()
+    for replica in trainer._replicas[1:]:
+        for name, value in replica.model.state_dict().items():
+            assert torch.equal(value, first[name]), f"replica on {replica.device} differs in {name}"
+
+
+class ParamRecorder:
+    """A step that records each replica's parameters as it starts, keyed by batch number."""
+
+    def __init__(self, batch_of_item: dict[int, int]) -> None:
+        self.batch_of_item = batch_of_item
+        self.seen: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.lock = threading.Lock()
+
+    def __call__(
+        self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        inputs, targets, ids = batch
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+        key = (self.batch_of_item[int(ids[0])], len(self.seen))
+        with self.lock:
+            self.seen.setdefault((key[0], 0), []).append(flat)
+        return F.cross_entropy(model(inputs), targets)
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("optimizer", [SGD, ADAMW], ids=["sgd-momentum", "adamw"])
+async def test_n_devices_match_one_device_given_the_whole_batch(
+    devices: int, optimizer: Callable[..., torch.optim.Optimizer]
+) -> None:
+    # 7 items split across 2 or 3 devices never divide evenly; the last batch (2 items) is
+    # smaller than 3 devices, so one device gets nothing at that step.
+    sizes = [7, 7, 5, 2]
+    batches = make_batches(sizes)
+    expected = reference(batches, 2, optimizer)
+    trainer = Trainer(
+        make_model(), optimizer, loss_step, devices=cpu_devices(devices), progress_bar=False
+    )
+    result = await trainer.fit(batches, epochs=2)
+    assert result.epoch == 2
+    assert result.global_step == 2 * len(sizes)
+    assert_close(trainer.model, expected)
+    assert_replicas_identical(trainer)
+
+
+async def test_replicas_are_bitwise_identical_before_every_step() -> None:
+    sizes = [5, 4, 3, 2, 1]
+    raw = make_batches(sizes)
+    batches, batch_of_item, start = [], {}, 0
+    for number, (inputs, targets) in enumerate(raw):
+        ids = torch.arange(start, start + len(inputs))
+        batch_of_item.update({int(i): number for i in ids})
+        batches.append((inputs, targets, ids))
+        start += len(inputs)
+    recorder = ParamRecorder(batch_of_item)
+    trainer = Trainer(make_model(), ADAMW, recorder, devices=cpu_devices(3), progress_bar=False)
+    await trainer.fit(batches, epochs=1)
+    assert set(recorder.seen) == {(n, 0) for n in range(len(sizes))}
+    for (number, _), flats in recorder.seen.items():
+        expected_devices = min(sizes[number], 3)
+        assert len(flats) == expected_devices
+        assert all(torch.equal(flat, flats[0]) for flat in flats), (
+            f"replicas differ at step {number}"
+        )
+    assert_replicas_identical(trainer)
+
+
+async def test_the_model_passed_in_is_the_trained_model_when_it_lives_on_the_first_device() -> None:
+    model = make_model()
+    trainer = Trainer(model, SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    assert trainer.model is model
+    await trainer.fit(make_batches([4, 4]), epochs=1)
+    assert trainer.model is model
+    assert trainer._replicas[1].model is not model
+
+
+async def test_gradient_accumulation_averages_over_every_item_of_the_window() -> None:
+    batches = make_batches([6, 4, 5])
+    # Accumulating two batches equals one step on both batches joined (item-weighted mean).
+    joined = [
+        (torch.cat([batches[0][0], batches[1][0]]), torch.cat([batches[0][1], batches[1][1]])),
+        batches[2],
+    ]
+    expected = reference(joined, 1, SGD)
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(2),
+        accumulate_grad_batches=2,
+        progress_bar=False,
+    )
+    result = await trainer.fit(batches, epochs=1)
+    assert result.global_step == 2
+    assert_close(trainer.model, expected)
+
+
+async def test_whole_batches_per_device_average_over_items() -> None:
+    batches = make_batches([6, 4, 5])
+    joined = [
+        (torch.cat([batches[0][0], batches[1][0]]), torch.cat([batches[0][1], batches[1][1]])),
+        batches[2],
+    ]
+    expected = reference(joined, 1, SGD)
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(2),
+        split_batches=False,
+        progress_bar=False,
+    )
+    await trainer.fit(batches, epochs=1)
+    assert_close(trainer.model, expected)
+
+
+async def test_gradient_clipping_uses_the_global_norm_of_the_averaged_gradients() -> None:
+    batches = make_batches([8, 8, 8])
+    expected = reference(batches, 2, SGD, clip=0.05)
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(3),
+        gradient_clip_val=0.05,
+        progress_bar=False,
+    )
+    await trainer.fit(batches, epochs=2)
+    assert_close(trainer.model, expected)
+
+
+@pytest.mark.parametrize("interval", ["epoch", "step"])
+async def test_lr_scheduler_steps_like_the_plain_loop(interval: str) -> None:
+    batches = make_batches([4, 4])
+    schedule = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5)
+    model = make_model()
+    opt = SGD(model.parameters())
+    sched = schedule(opt)
+    for _ in range(2):
+        for batch in batches:
+            opt.zero_grad()
+            loss_step(model, batch).backward()
+            opt.step()
+            if interval == "step":
+                sched.step()
+        if interval == "epoch":
+            sched.step()
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(2),
+        lr_scheduler=schedule,
+        lr_scheduler_interval=interval,  # type: ignore[arg-type]
+        progress_bar=False,
+    )
+    await trainer.fit(batches, epochs=2)
+    assert_close(trainer.model, model)
+    assert trainer._replicas[1].optimizer.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+async def test_mixed_precision_trains(precision: str) -> None:
+    batches = make_batches([16] * 6)
+    trainer = Trainer(
+        make_model(),
+        ADAMW,
+        metric_step,
+        devices=cpu_devices(2),
+        precision=precision,
+        progress_bar=False,
+    )
+    result = await trainer.fit(batches, epochs=4)
+    assert result.history[-1].train_loss < result.history[0].train_loss
+    assert_replicas_identical(trainer)
+
+
+async def test_validate_averages_exactly_over_items() -> None:
+    batches = make_batches([5, 3, 1])
+    model = make_model()
+    with torch.no_grad():
+        inputs = torch.cat([b[0] for b in batches])
+        targets = torch.cat([b[1] for b in batches])
+        logits = model(inputs)
+        expected_loss = float(F.cross_entropy(logits, targets))
+        expected_accuracy = float((logits.argmax(1) == targets).float().mean())
+    trainer = Trainer(model, SGD, metric_step, devices=cpu_devices(3), progress_bar=False)
+    metrics = await trainer.validate(batches)
+    assert metrics["loss"] == pytest.approx(expected_loss, rel=1e-6)
+    assert metrics["accuracy"] == pytest.approx(expected_accuracy, rel=1e-6)
+    assert model.training  # validation put the model back in training mode
+
+
+async def test_fit_returns_history_with_validation_metrics() -> None:
+    batches = make_batches([8, 8, 8])
+    trainer = Trainer(make_model(), ADAMW, metric_step, devices=cpu_devices(2), progress_bar=False)
+    result = await trainer.fit(batches, epochs=3, valid_data=batches[:1])
+    assert [record.epoch for record in result.history] == [0, 1, 2]
+    assert all(record.items == 24 for record in result.history)
+    assert all(set(record.valid_metrics or {}) == {"loss", "accuracy"} for record in result.history)
+    assert set(result.history[0].train_metrics) == {"accuracy"}
+    assert result.history[-1].train_loss < result.history[0].train_loss
+    assert trainer.history == list(result.history)
+
+
+async def test_fit_again_continues_training() -> None:
+    batches = make_batches([4, 4])
+    expected = reference(batches, 3, SGD)
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    await trainer.fit(batches, epochs=1)
+    again = await trainer.fit(batches, epochs=3)
+    assert [record.epoch for record in again.history] == [1, 2]
+    assert_close(trainer.model, expected)
+    done = await trainer.fit(batches, epochs=3)  # nothing left to do
+    assert done.history == ()
+
+
+async def test_stop_ends_fit_at_the_next_step_and_fit_continues_from_there() -> None:
+    batches = make_batches([3, 3, 3, 3, 3])
+    expected = reference(batches, 2, SGD)
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    stream = trainer.events()
+
+    async def stop_after_three_steps() -> None:
+        async for event in stream:
+            if isinstance(event, StepEnded) and event.step == 2:
+                trainer.stop("enough for now")
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(stop_after_three_steps)
+        first = await trainer.fit(batches, epochs=2)
+    assert first.stopped
+    assert first.stop_reason == "enough for now"
+    assert 3 <= first.global_step < 10
+    assert_replicas_identical(trainer)
+    rest = await trainer.fit(batches, epochs=2)
+    assert not rest.stopped
+    assert rest.global_step == 10
+    assert_close(trainer.model, expected)
+
+
+async def test_cancelling_fit_leaves_a_trainer_that_continues_exactly() -> None:
+    batches = make_batches([3] * 40)
+    expected = reference(batches, 1, ADAMW)
+    trainer = Trainer(make_model(), ADAMW, loss_step, devices=cpu_devices(2), progress_bar=False)
+    steps_seen = anyio.Event()
+    stream = trainer.events()
+
+    async def watch() -> None:
+        async for event in stream:
+            if isinstance(event, StepEnded) and event.step >= 5:
+                steps_seen.set()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(watch)
+        with anyio.CancelScope() as scope:
+            group.start_soon(lambda: trainer.fit(batches, epochs=1))  # type: ignore[arg-type,return-value]
+            await steps_seen.wait()
+            scope.cancel()
+            group.cancel_scope.cancel()
+    assert 5 <= trainer.global_step < 40
+    assert_replicas_identical(trainer)
+    await trainer.fit(batches, epochs=1)
+    assert trainer.global_step == 40
+    assert_close(trainer.model, expected)
+
+
+class FailOnce:
+    """A step that raises once, on one device, at one step (counted per device)."""
+
+    def __init__(self, device_name: str, call: int, where: str = "forward") -> None:
+        self.device_name = device_name
+        self.call = call
+        self.where = where
+        self.calls = 0
+        self.fired = False
+
+    def __call__(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch
+        here = next(model.parameters()).device  # all CPU: tell replicas apart by identity
+        del here
+        mine = getattr(model, "_asyncddp_test_name", None)
+        if mine == self.device_name:
+            self.calls += 1
+            if self.calls == self.call and not self.fired:
+                self.fired = True
+                if self.where == "forward":
+                    raise ValueError("bad shard")
+                return F.cross_entropy(_FailInBackward.apply(model(inputs)), targets)
+        return F.cross_entropy(model(inputs), targets)
+
+
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("backward blew up")
+
+
+def name_replicas(trainer: Trainer) -> None:
+    for replica in trainer._replicas:
+        replica.model._asyncddp_test_name = replica.device.name  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+async def test_a_failure_names_the_device_and_changes_no_parameter(where: str) -> None:
+    batches = make_batches([4] * 5)
+    expected = reference(batches, 1, SGD)
+    trainer = Trainer(
+        make_model(), SGD, FailOnce("cpu#1", 3, where), devices=cpu_devices(2), progress_bar=False
+    )
+    await trainer.validate(batches[:1])  # builds the replicas
+    name_replicas(trainer)
+    stream = trainer.events()
+    with pytest.raises(WorkerFailedError) as info:
+        await trainer.fit(batches, epochs=1)
+    error = info.value
+    assert error.device.name == "cpu#1"
+    assert (error.epoch, error.step, error.phase) == (0, 2, "train")
+    assert isinstance(error.__cause__, ValueError if where == "forward" else RuntimeError)
+    assert trainer.global_step == 2
+    assert_replicas_identical(trainer)
+    events = [event async for event in stream]
+    assert [type(event).__name__ for event in events[-2:]] == ["WorkerFailed", "FitEnded"]
+    assert events[-2].action == "raise"
+    assert events[-1].error is not None
+    assert "cpu#1" in events[-1].error
+    # Continue once the cause is gone: the same parameters as a run that never failed.
+    await trainer.fit(batches, epochs=1)
+    assert_close(trainer.model, expected)
+
+
+class FailingSGD(torch.optim.SGD):
+    """An SGD that updates its parameters, then raises, once, on a chosen replica."""
+
+    armed: ClassVar[dict[str, int]] = {}
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        result = super().step(closure)
+        name = getattr(self, "name", None)
+        if name is not None and FailingSGD.armed.get(name) == 1:
+            FailingSGD.armed[name] = 0
+            raise RuntimeError("optimizer failed half way")
+        if name is not None and name in FailingSGD.armed and FailingSGD.armed[name] > 1:
+            FailingSGD.armed[name] -= 1
+        return result
+
+
+async def test_a_failure_in_the_optimizer_step_is_undone_on_every_replica() -> None:
+    batches = make_batches([4] * 5)
+    expected = reference(batches, 1, SGD)
+    trainer = Trainer(
+        make_model(),
+        functools.partial(FailingSGD, lr=0.1, momentum=0.9),
+        loss_step,
+        devices=cpu_devices(3),
+        progress_bar=False,
+    )
+    await trainer.validate(batches[:1])
+    for replica in trainer._replicas:
+        replica.optimizer.name = replica.device.name  # type: ignore[attr-defined]
+    FailingSGD.armed = {"cpu#2": 3}  # fails in its third step, after updating its parameters
+    with pytest.raises(WorkerFailedError) as info:
+        await trainer.fit(batches, epochs=1)
+    assert info.value.device.name == "cpu#2"
+    assert info.value.phase == "optimizer"
+    assert trainer.global_step == 2
+    assert_replicas_identical(trainer)
+    await trainer.fit(batches, epochs=1)
+    assert_close(trainer.model, expected)
+
+
+async def test_retry_policy_runs_the_step_again() -> None:
+    batches = make_batches([4] * 4)
+    expected = reference(batches, 1, SGD)
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        FailOnce("cpu#0", 2),
+        devices=cpu_devices(2),
+        on_failure="retry",
+        progress_bar=False,
+    )
+    await trainer.validate(batches[:1])
+    name_replicas(trainer)
+    stream = trainer.events()
+    await trainer.fit(batches, epochs=1)
+    assert_close(trainer.model, expected)
+    kinds = [type(event).__name__ async for event in stream]
+    assert "WorkerFailed" in kinds
+    assert "StepRetried" in kinds
+
+
+async def test_drop_policy_goes_on_without_the_failed_device() -> None:
+    batches = make_batches([6] * 4)
+
+    def broken_on_cpu1(model: nn.Module, batch: Any) -> torch.Tensor:
+        if getattr(model, "_asyncddp_test_name", None) == "cpu#1":
+            raise RuntimeError("device lost")
+        return loss_step(model, batch)
+
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        broken_on_cpu1,
+        devices=cpu_devices(3),
+        on_failure="drop",
+        progress_bar=False,
+    )
+    await trainer.validate(batches[:1])
+    name_replicas(trainer)
+    stream = trainer.events()
+    with pytest.warns(asyncddp.DeviceDroppedWarning, match="cpu#1"):
+        result = await trainer.fit(batches, epochs=1)
+    assert result.global_step == 4
+    assert [d.name for d in trainer.devices] == ["cpu#0", "cpu#2"]
+    assert_replicas_identical(trainer)
+    expected = reference(batches, 1, SGD)
+    assert_close(trainer.model, expected)
+    events = [event async for event in stream]
+    dropped = [e for e in events if isinstance(e, asyncddp.DeviceDropped)]
+    assert [(e.device, e.remaining) for e in dropped] == [("cpu#1", ("cpu#0", "cpu#2"))]
+
+
+async def test_events_come_in_order_with_exact_monotonic_progress(tmp_path: Any) -> None:
+    batches = make_batches([5, 5, 3])
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        metric_step,
+        devices=cpu_devices(2),
+        checkpoint_dir=tmp_path,
+        progress_bar=False,
+    )
+    stream = trainer.events()
+    await trainer.fit(batches, epochs=2, valid_data=batches[:1])
+    events = [event async for event in stream]
+    assert isinstance(events[0], FitStarted)
+    assert events[0].items_total == 13
+    assert isinstance(events[-1], FitEnded)
+    assert not events[-1].stopped
+    kinds = [type(e).__name__ for e in events[1:-1]]
+    per_epoch = ["StepEnded"] * 3 + ["EpochEnded", "ValidationEnded", "CheckpointSaved"]
+    assert kinds == per_epoch * 2
+    steps = [e for e in events if isinstance(e, StepEnded)]
+    assert [e.step for e in steps] == list(range(6))
+    for epoch in (0, 1):
+        processed = [e.progress.items_processed for e in steps if e.epoch == epoch]
+        assert processed == [5, 10, 13]
+        assert all(e.progress.items_total == 13 for e in steps if e.epoch == epoch)
+    assert all("accuracy" in e.metrics for e in steps)
+    assert all(isinstance(e.loss, float) for e in steps)
+    epoch_ends = [e for e in events if isinstance(e, EpochEnded)]
+    assert [e.items for e in epoch_ends] == [13, 13]
+    assert next(e.metrics.keys() for e in events if isinstance(e, ValidationEnded)) == {
+        "loss",
+        "accuracy",
+    }
+    saved = [e for e in events if isinstance(e, CheckpointSaved)]
+    assert [e.epoch for e in saved] == [1, 2]
+
+
+async def test_a_slow_event_consumer_never_holds_training_back() -> None:
+    batches = make_batches([2] * 30)
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    stream = trainer.events(maxlen=5)
+    await trainer.fit(batches, epochs=1)  # nobody reads the stream meanwhile
+    events = [event async for event in stream]
+    assert len(events) == 5
+    assert stream.dropped == 33 - 5  # FitStarted, 30 StepEnded, EpochEnded, FitEnded
+    assert isinstance(events[-1], FitEnded)
+
+
+async def test_progress_bar_renders(capsys: pytest.CaptureFixture[str]) -> None:
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=True)
+    await trainer.fit(make_batches([4, 4]), epochs=1)
+    err = capsys.readouterr().err
+    assert "epoch 1/1" in err
+    assert "8/8" in err
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+
+
+async def test_resuming_from_a_checkpoint_ends_like_an_uninterrupted_run(tmp_path: Any) -> None:
+    data = make_batches([3] * 8)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(
+            torch.cat([b[0] for b in data]), torch.cat([b[1] for b in data])
+        ),
+        batch_size=5,
+        shuffle=True,
+    )
+
+    def fresh() -> Trainer:
+        return Trainer(make_model(), ADAMW, loss_step, devices=cpu_devices(2), progress_bar=False)
+
+    torch.manual_seed(123)
+    uninterrupted = fresh()
+    await uninterrupted.fit(loader, epochs=3)
+
+    torch.manual_seed(123)
+    first = fresh()
+    stream = first.events()
+
+    async def stop_mid_epoch() -> None:
+        async for event in stream:
+            if isinstance(event, StepEnded) and event.epoch == 1 and event.step == 6:
+                first.stop()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(stop_mid_epoch)
+        stopped = await first.fit(loader, epochs=3)
+    assert stopped.stopped
+    path = await first.save_checkpoint(tmp_path / "mid.ckpt")
+    assert path.exists()
+    torch.manual_seed(999)  # the checkpoint carries the RNG state: this must not matter
+    resumed = fresh()
+    await resumed.fit(loader, epochs=3, resume=path)
+    assert resumed.global_step == uninterrupted.global_step
+    assert_close(resumed.model, uninterrupted.model)
+
+
+async def test_resume_latest_from_the_checkpoint_dir(tmp_path: Any) -> None:
+    batches = make_batches([4, 4])
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(2),
+        checkpoint_dir=tmp_path,
+        progress_bar=False,
+    )
+    await trainer.fit(batches, epochs=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "epoch0001-step000002.ckpt",
+        "epoch0002-step000004.ckpt",
+    ]
+    again = Trainer(
+        make_model(seed=5),
+        SGD,
+        loss_step,
+        devices=cpu_devices(2),
+        checkpoint_dir=tmp_path,
+        progress_bar=False,
+    )
+    result = await again.fit(batches, epochs=3, resume="latest")
+    assert [r.epoch for r in result.history] == [2]
+    assert [r.epoch for r in again.history] == [0, 1, 2]
+    assert_close(again.model, reference(batches, 3, SGD))
+
+
+async def test_a_corrupt_checkpoint_raises_a_clear_error(tmp_path: Any) -> None:
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), progress_bar=False)
+    path = await trainer.save_checkpoint(tmp_path / "good.ckpt")
+    data = path.read_bytes()
+    (tmp_path / "cut.ckpt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(asyncddp.CheckpointError, match="truncated or corrupt"):
+        await trainer.fit(make_batches([2]), resume=tmp_path / "cut.ckpt")
+    with pytest.raises(asyncddp.CheckpointError, match="no checkpoint at"):
+        await trainer.fit(make_batches([2]), resume=tmp_path / "missing.ckpt")
+    torch.save({"something": 1}, tmp_path / "other.ckpt")
+    with pytest.raises(asyncddp.CheckpointError, match="not an asyncddp checkpoint"):
+        await trainer.fit(make_batches([2]), resume=tmp_path / "other.ckpt")
+    with pytest.raises(ConfigurationError, match="checkpoint_dir"):
+        await trainer.fit(make_batches([2]), resume="latest")
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("step", "message"),
+    [
+        (lambda model, batch: None, "the step returned None"),
+        (lambda model, batch: 1.5, "the step returned a float"),
+        (
+            lambda model, batch: F.cross_entropy(model(batch[0]), batch[1], reduction="none"),
+            "has shape",
+        ),
+        (
+            lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]).detach(),
+            "does not require grad",
+        ),
+        (lambda model, batch: {"accuracy": torch.tensor(1.0)}, "a dict with a 'loss' entry"),
+    ],
+)
+async def test_a_step_that_returns_no_scalar_loss_is_a_clear_error(step: Any, message: str) -> None:
+    trainer = Trainer(make_model(), SGD, step, devices=cpu_devices(2), progress_bar=False)
+    with pytest.raises(StepOutputError, match=message):
+        await trainer.fit(make_batches([4]), epochs=1)
+    assert trainer.global_step == 0
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ([], "yielded no batches"),
+        ([["a", "b"]], "at least one tensor with a batch dimension"),
+        ([(torch.zeros(3, FEATURES), torch.zeros(2))], "share their size along dim 0"),
+    ],
+)
+async def test_bad_data_is_a_clear_error(data: Any, message: str) -> None:
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    with pytest.raises(DataError, match=message):
+        await trainer.fit(data, epochs=1)
+
+
+def test_bad_configuration_fails_at_construction() -> None:
+    frozen = make_model()
+    frozen.requires_grad_(False)
+    with pytest.raises(ConfigurationError, match="no trainable parameters"):
+        Trainer(frozen, SGD, loss_step, devices=cpu_devices(1))
+    model = make_model()
+    with pytest.raises(ConfigurationError, match="factory"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_step)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="accumulate_grad_batches"):
+        Trainer(model, SGD, loss_step, accumulate_grad_batches=0)
+    with pytest.raises(ValueError, match="unknown precision"):
+        Trainer(model, SGD, loss_step, precision="fp8")
+    with pytest.raises(ConfigurationError, match=r"must be a torch\.nn\.Module"):
+        Trainer("model", SGD, loss_step)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("epochs", [0, -1, 1.5, True])
+async def test_epochs_must_be_positive(epochs: Any) -> None:
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), progress_bar=False)
+    with pytest.raises(ConfigurationError, match="epochs"):
+        await trainer.fit(make_batches([2]), epochs=epochs)
+
+
+def _iter(batches: list[Any]) -> Iterator[Any]:
+    yield from batches
+
+
+async def test_any_iterable_of_nested_batches_works() -> None:
+    batches = make_batches([4, 4])
+
+    def dict_step(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        return F.cross_entropy(model(batch["inputs"]["x"]), batch["targets"])
+
+    dict_batches = [{"inputs": {"x": x}, "targets": y, "tag": "train"} for x, y in batches]
+    trainer = Trainer(make_model(), SGD, dict_step, devices=cpu_devices(2), progress_bar=False)
+    await trainer.fit(_iter(dict_batches), epochs=1)
+    assert_close(trainer.model, reference(batches, 1, SGD))
