@@ -1,26 +1,36 @@
-"""The smallest asyncddp program: one job on every device, awaited together.
+"""The smallest asyncddp training run: a linear model, data-parallel on two workers.
 
 Run:  python examples/quickstart.py
 """
 
 import asyncio
+import functools
 
 import torch
+import torch.nn.functional as F
 
 import asyncddp
 
 
-def square_sum(ctx: asyncddp.WorkerContext, shard: torch.Tensor) -> float:
-    x = shard.to(ctx.torch_device)  # runs on this device's worker thread
-    return (x * x).sum().item()
+def step(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    inputs, targets = batch
+    return F.mse_loss(model(inputs), targets)  # the mean over this device's share of the batch
 
 
 async def main() -> None:
-    devices = asyncddp.cpu_devices(2)  # or "auto": every GPU
-    async with asyncddp.StepScheduler(devices, step_timeout=60) as scheduler:
-        batch = torch.arange(10.0)
-        result = await scheduler.run(square_sum, batch.tensor_split(len(devices)))
-        print(result.outputs, result.progress)  # (30.0, 255.0) 10/? items
+    torch.manual_seed(0)
+    inputs = torch.randn(1024, 8)
+    targets = inputs.sum(dim=1, keepdim=True)
+    batches = [(inputs[i : i + 128], targets[i : i + 128]) for i in range(0, 1024, 128)]
+    trainer = asyncddp.Trainer(
+        torch.nn.Linear(8, 1),
+        functools.partial(torch.optim.SGD, lr=0.1),
+        step,
+        devices=asyncddp.cpu_devices(2),  # or "auto": every GPU
+    )
+    result = await trainer.fit(batches, epochs=5)  # the event loop stays free meanwhile
+    print(f"loss {result.history[0].train_loss:.4f} -> {result.history[-1].train_loss:.6f}")
+    # loss 2.8094 -> 0.000004
 
 
 asyncio.run(main())
