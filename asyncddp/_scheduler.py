@@ -71,6 +71,7 @@ class _Step:
         "finished",
         "lock",
         "outputs",
+        "queued",
         "remaining",
         "running",
         "shielded",
@@ -88,12 +89,27 @@ class _Step:
         self.shielded = False  # every job runs, even after a failure or a cancellation
         # (device index, exception), in the order the failures happened.
         self.failures: list[tuple[int, BaseException]] = []
+        # Jobs not started yet, by device index: a cancel empties them at once, so that a job
+        # stuck in a queue behind a busy worker does not hold the caller's shard meanwhile.
+        self.queued: dict[int, _Job] = {}
 
     def cancel(self) -> None:
         """Drop the jobs that have not started yet, and any output (nobody will read it)."""
         with self.lock:
-            self.cancelled = True
-            self.outputs = [None] * len(self.outputs)
+            self.cancel_locked()
+
+    def cancel_locked(self) -> None:
+        """:meth:`cancel`, for a caller that holds ``lock`` already."""
+        self.cancelled = True
+        self.outputs = [None] * len(self.outputs)
+        for job in self.queued.values():
+            job.fn = job.shard = job.context = None  # type: ignore[assignment]
+        self.queued.clear()
+
+    def forget_jobs(self) -> None:
+        """Break the step -> job -> step cycle once the caller is done with the step."""
+        with self.lock:
+            self.queued.clear()
 
     def settled(self) -> bool:
         with self.lock:
@@ -150,6 +166,7 @@ class _Job:
     def __call__(self) -> Callable[[], None] | None:
         step = self.step
         with step.lock:
+            step.queued.pop(self.index, None)
             run = not step.cancelled
             if run:
                 step.running += 1
@@ -157,6 +174,9 @@ class _Job:
         if run:
             ctx = WorkerContext(self.worker.device, self.worker.stream, self.number, self.phase)
             ok, value = _execute(self.worker, self.state, self.context, self.fn, ctx, self.shard)
+        # Let go of the caller's shard and function before the step can settle: once it has,
+        # the caller may drop them and expect them freed.
+        self.fn = self.shard = self.context = None  # type: ignore[assignment]
         with step.lock:
             if run:
                 step.running -= 1
@@ -176,7 +196,7 @@ class _Job:
         # A failure's traceback reaches this frame too (through _execute's f_back), and the
         # step holds that failure: drop every reference to the step, so that no reference
         # cycle keeps what the job made alive once the caller drops the error.
-        self.step = self.fn = self.shard = self.context = None  # type: ignore[assignment]
+        self.step = None  # type: ignore[assignment]
         del step, value
         return notify
 
@@ -388,6 +408,7 @@ class StepScheduler:
             except BaseException:
                 state.cancel()
                 await self._drain(state, waker)
+                state.forget_jobs()
                 del state, shards, fn
                 raise
         timeout = None if settled else self._timeout_error(state, number, epoch, phase)
@@ -404,6 +425,7 @@ class StepScheduler:
                 error = cancellation
         elif cancellation is not None:
             error = cancellation
+        state.forget_jobs()
         if error is None:
             return StepResult(
                 outputs=tuple(state.outputs),
@@ -435,6 +457,7 @@ class StepScheduler:
             _Job(state, index, worker, fn, shard, caller[worker.device.type], number, phase)
             for index, (worker, shard) in enumerate(zip(self._workers, shards, strict=True))
         ]
+        state.queued = dict(enumerate(jobs))
         # Queue them in one tight loop: a woken worker waits for the GIL until this thread
         # reaches the event loop's poll, so nothing slow may stand between the puts and there.
         for worker, job in zip(self._workers, jobs, strict=True):
@@ -498,8 +521,7 @@ class StepScheduler:
         with state.lock:
             if state.remaining == 0 or state.failures:
                 return None  # it settled after the wait gave up: report what happened
-            state.cancelled = True
-            state.outputs = [None] * len(state.outputs)
+            state.cancel_locked()
             late = [index for index, done in enumerate(state.finished) if not done]
         assert self.step_timeout is not None
         errors = [
