@@ -164,7 +164,12 @@ async def test_failure_names_the_device_and_keeps_the_original_exception(n: int)
 
 
 async def test_first_failure_in_time_wins_and_others_are_kept() -> None:
+    everyone_started = threading.Barrier(4, timeout=10)
+
     def fail_in_turn(ctx: WorkerContext, shard: float) -> None:
+        everyone_started.wait()  # running, not queued, when the first failure comes
+        if ctx.device.index == 1:
+            return
         time.sleep(shard)
         raise ValueError(f"failed on {ctx.device.name}")
 
@@ -172,7 +177,7 @@ async def test_first_failure_in_time_wins_and_others_are_kept() -> None:
         with pytest.raises(WorkerFailedError) as info:
             # cpu#2 fails first, then cpu#0, then cpu#3; cpu#1 succeeds.
             await scheduler.run(
-                lambda ctx, shard: None if ctx.device.index == 1 else fail_in_turn(ctx, shard),
+                fail_in_turn,
                 [0.1, 0.0, 0.0, 0.2],
                 step=7,
                 epoch=2,
