@@ -1,30 +1,36 @@
-"""Train a small MLP on scikit-learn's handwritten digits, data-parallel, with asyncddp.
+"""The demo: a small MLP learns scikit-learn's handwritten digits, data-parallel.
 
-Run:  python examples/train_digits.py                      (every GPU, or 2 CPU workers)
-      python examples/train_digits.py --devices 4 --epochs 20
+Run:  asyncddp demo                         (every GPU, or 2 CPU workers without one)
+      asyncddp demo --devices 4 --epochs 20
+      python -m asyncddp demo --help
 
 The digits ship with scikit-learn (nothing is downloaded). Each batch is split across the
-devices; the progress bar shows when the output is a terminal or a notebook.
+devices; the progress bar shows when the output is a terminal or a notebook. This file is also
+the example to read: it is what the docs show as the main job.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import functools
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import asyncddp
 
 
-def digits_loaders(batch_size: int, seed: int = 0) -> tuple[DataLoader, DataLoader]:
+def digits_loaders(batch_size: int, seed: int = 0) -> tuple[DataLoader[Any], DataLoader[Any]]:
     """80% of the 1,797 digits to train on (shuffled each epoch), 20% to validate on."""
+    try:
+        from sklearn.datasets import load_digits  # type: ignore[import-untyped]
+    except ImportError as exc:  # an optional dependency: only the demo needs it
+        raise ImportError(
+            "the demo trains on scikit-learn's digits: pip install 'asyncddp[examples]'"
+        ) from exc
     digits = load_digits()
     inputs = torch.tensor(digits.data, dtype=torch.float32) / 16.0  # pixels are 0..16
     targets = torch.tensor(digits.target, dtype=torch.long)
@@ -53,7 +59,13 @@ def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str
     }
 
 
-async def main(devices: asyncddp.DeviceSpec, epochs: int, batch_size: int) -> float:
+async def main(
+    devices: asyncddp.DeviceSpec,
+    epochs: int = 10,
+    batch_size: int = 64,
+    progress_bar: bool | None = None,
+) -> asyncddp.FitResult:
+    """Train and print a line per epoch and a summary; returns the fit's result."""
     torch.manual_seed(0)
     train_loader, valid_loader = digits_loaders(batch_size)
     trainer = asyncddp.Trainer(
@@ -62,9 +74,11 @@ async def main(devices: asyncddp.DeviceSpec, epochs: int, batch_size: int) -> fl
         step,
         devices=devices,
         lr_scheduler=functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=epochs),
+        progress_bar=progress_bar,
     )
     names = ", ".join(device.name for device in trainer.devices)
-    print(f"training on {names}: {len(train_loader.dataset)} digits, batch size {batch_size}")
+    digits = len(train_loader.dataset)  # type: ignore[arg-type]
+    print(f"training on {names}: {digits} digits, batch size {batch_size}")
     started = time.perf_counter()
     result = await trainer.fit(train_loader, epochs=epochs, valid_data=valid_loader)
     seconds = time.perf_counter() - started
@@ -81,20 +95,4 @@ async def main(devices: asyncddp.DeviceSpec, epochs: int, batch_size: int) -> fl
         f"{seconds:.1f} s, final train loss {result.history[-1].train_loss:.4f}, "
         f"valid accuracy {final['accuracy']:.2%}"
     )
-    return final["accuracy"]
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--devices", default=None, help="'auto', 'cpu', 'cuda', 'cuda:N' or a count"
-    )
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=64)
-    args = parser.parse_args()
-    spec: asyncddp.DeviceSpec
-    if args.devices is None:  # every GPU, or two CPU workers where there is none
-        spec = "cuda" if torch.cuda.is_available() else asyncddp.cpu_devices(2)
-    else:
-        spec = int(args.devices) if args.devices.isdigit() else args.devices
-    asyncio.run(main(spec, args.epochs, args.batch_size))
+    return result

@@ -1,0 +1,89 @@
+"""The ``asyncddp`` command (also ``python -m asyncddp``).
+
+asyncddp demo      train the digits demo on every GPU, or on 2 CPU workers without one
+asyncddp devices   show which devices a spec resolves to
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from ._devices import DeviceSpec, cpu_devices, resolve_devices
+from ._exceptions import AsyncDDPError
+
+__all__ = ["main"]
+
+
+def parse_devices(text: str) -> DeviceSpec:
+    """Read ``--devices``: ``auto`` (every GPU, or 2 CPU workers), a count, or names."""
+    text = text.strip()
+    if text == "auto":
+        return "cuda" if torch.cuda.is_available() else cpu_devices(2)
+    if text.isdecimal():
+        return int(text)
+    if "," in text:
+        return [part.strip() for part in text.split(",") if part.strip()]
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="asyncddp",
+        description="Data-parallel PyTorch training that async code can await.",
+    )
+    parser.add_argument("--version", action="version", version=f"asyncddp {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    devices_help = (
+        "'auto' (every GPU, or 2 CPU workers without one), a count, 'cpu', 'cuda', "
+        "'cuda:1', or a comma-separated list such as 'cuda:0,cuda:2' (default: auto)"
+    )
+    demo = commands.add_parser(
+        "demo",
+        help="train a small MLP on scikit-learn's digits, data-parallel",
+        description="Train a small MLP on scikit-learn's handwritten digits (they ship with "
+        "scikit-learn; nothing is downloaded), data-parallel across the devices, then print "
+        "a summary: devices, items/s, final loss and accuracy.",
+    )
+    demo.add_argument("--devices", default="auto", help=devices_help)
+    demo.add_argument("--epochs", type=int, default=10, help="epochs to train (default: 10)")
+    demo.add_argument("--batch-size", type=int, default=64, help="items per batch (default: 64)")
+    demo.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="show a progress bar (default: when the output is a terminal)",
+    )
+    show = commands.add_parser("devices", help="show which devices a spec resolves to")
+    show.add_argument("spec", nargs="?", default="auto", help=devices_help)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        spec = parse_devices(args.devices if args.command == "demo" else args.spec)
+        if args.command == "devices":
+            for device in resolve_devices(spec):
+                print(f"{device.index}: {device.name} ({device.torch_device})")
+            return 0
+        if args.epochs < 1 or args.batch_size < 1:
+            print("asyncddp demo: --epochs and --batch-size must be at least 1", file=sys.stderr)
+            return 2
+        from ._demo import main as demo
+
+        asyncio.run(demo(spec, args.epochs, args.batch_size, args.progress))
+    except (AsyncDDPError, ImportError) as error:
+        print(f"asyncddp {args.command}: {error}", file=sys.stderr)
+        return 2 if isinstance(error, ValueError) else 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0

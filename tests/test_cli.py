@@ -1,0 +1,77 @@
+"""The asyncddp command, run as a user runs it: a subprocess."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+import asyncddp
+from asyncddp._cli import main, parse_devices
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "asyncddp", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_demo_reaches_over_90_percent_on_two_cpu_workers_and_summarises() -> None:
+    completed = run("demo", "--epochs", "6", "--devices", "2")
+    assert completed.returncode == 0, completed.stderr
+    out = completed.stdout
+    assert "training on cpu#0, cpu#1: 1437 digits" in out
+    summary = out.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"done: 2 devices \(cpu#0, cpu#1\), [0-9,]+ items/s, [0-9.]+ s, final train loss [0-9.]+, "
+        r"valid accuracy [0-9.]+%",
+        summary,
+    ), summary
+    accuracy = float(summary.rsplit(" ", 1)[1].rstrip("%"))
+    assert accuracy > 90.0
+
+
+def test_help_and_version() -> None:
+    completed = run("--help")
+    assert completed.returncode == 0
+    assert "demo" in completed.stdout
+    assert "devices" in completed.stdout
+    assert run("--version").stdout.strip() == f"asyncddp {asyncddp.__version__}"
+    assert "--epochs" in run("demo", "--help").stdout
+
+
+def test_bad_devices_are_a_clear_error_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--devices", "gpu7"]) == 2
+    assert "unknown device 'gpu7'" in capsys.readouterr().err
+    assert main(["demo", "--epochs", "0"]) == 2
+
+
+def test_devices_command_lists_what_a_spec_resolves_to(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["devices", "3"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "0: cpu#0 (cpu)",
+        "1: cpu#1 (cpu)",
+        "2: cpu#2 (cpu)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("3", 3), ("cpu", "cpu"), ("cuda:0,cuda:2", ["cuda:0", "cuda:2"]), (" cuda ", "cuda")],
+)
+def test_parse_devices(text: str, expected: object) -> None:
+    assert parse_devices(text) == expected
+
+
+def test_auto_is_two_cpu_workers_without_a_gpu() -> None:
+    spec = parse_devices("auto")
+    if isinstance(spec, str):
+        assert spec == "cuda"
+    else:
+        assert [d.name for d in asyncddp.resolve_devices(spec)] == ["cpu#0", "cpu#1"]
