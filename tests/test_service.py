@@ -1,0 +1,149 @@
+"""The service example under a real uvicorn server on localhost, driven by httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from httpx_sse import aconnect_sse
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "app:app",
+            "--app-dir",
+            str(ROOT / "examples" / "service"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start: {process.communicate()[0]}")
+            time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        output = process.communicate(timeout=30)[0]
+        assert "Traceback" not in output, output
+
+
+async def scenario(url: str) -> dict[str, object]:
+    latencies: list[float] = []
+    done = asyncio.Event()
+
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+
+        async def watch_health() -> None:
+            async with httpx.AsyncClient(base_url=url, timeout=5) as probe:
+                while not done.is_set():
+                    start = time.perf_counter()
+                    response = await probe.get("/health")
+                    latencies.append(time.perf_counter() - start)
+                    assert response.json()["ok"]
+                    await asyncio.sleep(0.01)
+
+        watcher = asyncio.create_task(watch_health())
+        short = (await client.post("/jobs", json={"epochs": 2, "batches": 80, "devices": 2})).json()
+        long = (
+            await client.post("/jobs", json={"epochs": 1000, "batches": 50, "devices": 2})
+        ).json()
+        running_together = (await client.get("/health")).json()["jobs_running"]
+
+        events = []
+        async with aconnect_sse(client, "GET", f"/jobs/{short['id']}/events") as source:
+            async for sse in source.aiter_sse():
+                events.append((sse.event, json.loads(sse.data)))
+
+        while (await client.get(f"/jobs/{long['id']}")).json()["steps"] < 10:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)  # polling the server: until it is well into training
+        cancelled = (await client.delete(f"/jobs/{long['id']}")).json()
+        long_events = []
+        async with aconnect_sse(client, "GET", f"/jobs/{long['id']}/events") as source:
+            async for sse in source.aiter_sse():
+                long_events.append((sse.event, json.loads(sse.data)))
+        jobs = (await client.get("/jobs")).json()
+        done.set()
+        await watcher
+    return {
+        "short": short,
+        "long": long,
+        "running_together": running_together,
+        "events": events,
+        "cancelled": cancelled,
+        "long_events": long_events,
+        "jobs": jobs,
+        "latencies": latencies,
+    }
+
+
+def test_two_jobs_stream_cancel_and_the_service_keeps_answering(server: str) -> None:
+    result = asyncio.run(scenario(server))
+    assert result["running_together"] == 2
+
+    events = result["events"]
+    kinds = [kind for kind, _ in events]
+    assert kinds[0] == "FitStarted"
+    assert kinds[-1] == "FitEnded"
+    assert kinds.count("StepEnded") == 160
+    assert kinds.count("EpochEnded") == 2
+    final = events[-1][1]
+    assert final["error"] is None
+    assert final["epoch"] == 2
+    progress = [data["progress"]["items_processed"] for kind, data in events if kind == "StepEnded"]
+    assert progress[:80] == sorted(progress[:80])
+    assert progress[79] == 80 * 64
+
+    assert result["cancelled"]["status"] == "cancelled"
+    long_kinds = [kind for kind, _ in result["long_events"]]
+    assert long_kinds[-1] == "FitEnded"
+    assert "CancelledError" in result["long_events"][-1][1]["error"]
+
+    statuses = {job["id"]: job["status"] for job in result["jobs"]}
+    assert statuses == {result["short"]["id"]: "done", result["long"]["id"]: "cancelled"}
+
+    latencies = result["latencies"]
+    assert len(latencies) > 20
+    assert max(latencies) < 0.05, f"health took up to {max(latencies) * 1000:.1f} ms"
+
+
+def test_unknown_job_is_a_404(server: str) -> None:
+    assert httpx.get(f"{server}/jobs/job-999").status_code == 404
+    assert httpx.post(f"{server}/jobs", json={"epochs": 0}).status_code == 422
