@@ -50,14 +50,24 @@ class ProgressTracker:
     Args:
         num_devices: How many devices report counts.
         items_total: Items expected in all, when known.
+        start: Items already counted per device (a run continued in mid-epoch).
     """
 
-    def __init__(self, num_devices: int, items_total: int | None = None) -> None:
+    def __init__(
+        self,
+        num_devices: int,
+        items_total: int | None = None,
+        *,
+        start: Sequence[int] | None = None,
+    ) -> None:
         if num_devices < 1:
             raise ValueError(f"num_devices must be at least 1, got {num_devices}")
         if items_total is not None and items_total < 0:
             raise ValueError(f"items_total must be >= 0 or None, got {items_total}")
-        self._device_items = [0] * num_devices
+        if start is not None and (len(start) != num_devices or any(c < 0 for c in start)):
+            raise ValueError(f"start must hold {num_devices} counts >= 0, got {list(start)}")
+        # ``start``: counts carried over, for example from before a resume in mid-epoch.
+        self._device_items = list(start) if start is not None else [0] * num_devices
         self._items_total = items_total
         self._steps = 0
 

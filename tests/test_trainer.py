@@ -748,3 +748,275 @@ async def test_any_iterable_of_nested_batches_works() -> None:
     trainer = Trainer(make_model(), SGD, dict_step, devices=cpu_devices(2), progress_bar=False)
     await trainer.fit(_iter(dict_batches), epochs=1)
     assert_close(trainer.model, reference(batches, 1, SGD))
+
+
+# -- regressions found in review -----------------------------------------------------------------
+
+
+class Branchy(nn.Module):
+    """A model with a branch that only some batches use (odd-sized ones)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(FEATURES, 3)
+        self.extra = nn.Linear(FEATURES, 3)
+
+    def forward(self, inputs: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        out = self.body(inputs)
+        return out + self.extra(inputs) if use_extra else out
+
+
+def branchy_step(
+    model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    inputs, targets, flag = batch
+    return F.cross_entropy(model(inputs, bool(flag[0])), targets)
+
+
+async def test_a_parameter_no_device_used_is_not_stepped_like_in_a_plain_loop() -> None:
+    raw = make_batches([6, 6, 6, 6])
+    batches = [(x, y, torch.full((len(x),), i % 2 == 0)) for i, (x, y) in enumerate(raw)]
+    model = Branchy()
+    opt = SGD(model.parameters())
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        branchy_step(model, batch).backward()
+        opt.step()  # momentum moves .extra only when it has a .grad
+    trainer = Trainer(Branchy(), SGD, branchy_step, devices=cpu_devices(2), progress_bar=False)
+    await trainer.fit(batches, epochs=1)
+    assert_close(trainer.model, model)
+    assert_replicas_identical(trainer)
+
+
+async def test_cancelling_during_validation_still_steps_the_epoch_lr_schedule_once() -> None:
+    train, valid = make_batches([8, 8]), make_batches([4], seed=5)
+    schedule = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5)
+    expected = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(2),
+        lr_scheduler=schedule,
+        progress_bar=False,
+    )
+    await expected.fit(train, epochs=3, valid_data=valid)
+    started = threading.Event()
+
+    def slow_valid(model: nn.Module, batch: Any) -> torch.Tensor:
+        started.set()
+        import time
+
+        time.sleep(0.3)
+        return loss_step(model, batch)
+
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(2),
+        lr_scheduler=schedule,
+        valid_step=slow_valid,
+        progress_bar=False,
+    )
+    with anyio.move_on_after(0.15):
+        await trainer.fit(train, epochs=3, valid_data=valid)
+    assert started.is_set()
+    assert (trainer.epoch, len(trainer.history)) == (0, 0)  # the epoch's end had not happened
+    await trainer.fit(train, epochs=3, valid_data=valid)
+    assert trainer._replicas[0].lr() == expected._replicas[0].lr()
+    assert_close(trainer.model, expected.model)
+
+
+async def test_a_failure_before_the_backup_is_taken_does_not_roll_that_replica_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from asyncddp import _sync
+
+    batches = make_batches([6, 9, 7, 8])
+    expected = reference(batches, 2, SGD)
+    original = _sync.StepBackup.capture
+    calls = {"n": 0}
+
+    def out_of_memory_once(self: Any, *args: Any) -> None:
+        if threading.current_thread().name.endswith("#1]"):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise MemoryError("out of memory while taking the backup")
+        original(self, *args)
+
+    monkeypatch.setattr(_sync.StepBackup, "capture", out_of_memory_once)
+    trainer = Trainer(
+        make_model(), SGD, loss_step, devices=cpu_devices(3), on_failure="retry", progress_bar=False
+    )
+    await trainer.fit(batches, epochs=2)
+    assert calls["n"] > 3
+    assert_replicas_identical(trainer)
+    assert_close(trainer.model, expected)
+
+
+class FailBeforeUpdate(torch.optim.SGD):
+    fired = False
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if threading.current_thread().name.endswith("#1]") and not FailBeforeUpdate.fired:
+            FailBeforeUpdate.fired = True
+            raise RuntimeError("failed before the update")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("policy", ["retry", "drop"])
+async def test_without_atomic_steps_a_failed_optimizer_step_is_not_retried(policy: str) -> None:
+    FailBeforeUpdate.fired = False
+    trainer = Trainer(
+        make_model(),
+        functools.partial(FailBeforeUpdate, lr=0.1),
+        loss_step,
+        devices=cpu_devices(3),
+        atomic_steps=False,
+        on_failure=policy,
+        progress_bar=False,  # type: ignore[arg-type]
+    )
+    with pytest.raises(WorkerFailedError, match="failed before the update"):
+        await trainer.fit(make_batches([6, 6]), epochs=1)
+    with pytest.raises(asyncddp.AsyncDDPError, match="atomic_steps=False"):
+        await trainer.fit(make_batches([6, 6]), epochs=1)
+
+
+async def test_dropping_a_device_with_whole_batches_per_device_regroups_them() -> None:
+    batches = make_batches([5] * 7)
+
+    def broken_on_cpu1(model: nn.Module, batch: Any) -> torch.Tensor:
+        if threading.current_thread().name.endswith("cpu#1]"):
+            raise RuntimeError("device lost")
+        return loss_step(model, batch)
+
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        broken_on_cpu1,
+        devices=cpu_devices(3),
+        split_batches=False,
+        on_failure="drop",
+        progress_bar=False,
+    )
+    with pytest.warns(asyncddp.DeviceDroppedWarning):
+        result = await trainer.fit(batches, epochs=1)
+    assert result.history[0].items == 35  # every item trained on once
+    assert [d.name for d in trainer.devices] == ["cpu#0", "cpu#2"]
+    assert_replicas_identical(trainer)
+
+
+async def test_fit_ends_its_event_streams_when_it_fails_before_training() -> None:
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    stream = trainer.events()
+    with pytest.raises(asyncddp.CheckpointError):
+        await trainer.fit(make_batches([4]), resume="/nonexistent/asyncddp.ckpt")
+    events = [event async for event in stream]
+    assert [type(event).__name__ for event in events] == ["FitEnded"]
+    assert "CheckpointError" in (events[0].error or "")
+
+
+async def test_a_state_taken_before_any_fit_loads_into_another_trainer() -> None:
+    state = Trainer(
+        make_model(seed=3), SGD, loss_step, devices=cpu_devices(2), progress_bar=False
+    ).state_dict()
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    trainer.load_state_dict(state)
+    await trainer.fit(make_batches([4, 4]), epochs=1)
+    assert trainer.global_step == 2
+
+
+def batchnorm_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(FEATURES, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+
+async def test_batchnorm_buffers_are_undone_with_a_cancelled_step() -> None:
+    batches = make_batches([6, 9, 7, 8, 6, 9, 7])
+    expected = Trainer(
+        batchnorm_model(), SGD, loss_step, devices=cpu_devices(3), progress_bar=False
+    )
+    await expected.fit(batches, epochs=1)
+    calls = {"n": 0}
+
+    def slow_fourth(model: nn.Module, batch: Any) -> torch.Tensor:
+        if threading.current_thread().name.endswith("#1]"):
+            calls["n"] += 1
+            if calls["n"] == 4:
+                import time
+
+                time.sleep(0.4)
+        return loss_step(model, batch)
+
+    trainer = Trainer(
+        batchnorm_model(), SGD, slow_fourth, devices=cpu_devices(3), progress_bar=False
+    )
+    with anyio.move_on_after(0.2):
+        await trainer.fit(batches, epochs=1)
+    assert trainer.global_step == 3
+    assert_replicas_identical(trainer)  # buffers included, right after the cancellation
+    await trainer.fit(batches, epochs=1)
+    assert_close(trainer.model, expected.model)
+
+
+async def test_stop_at_the_last_step_of_an_epoch_still_closes_the_epoch() -> None:
+    batches = make_batches([4, 4, 4])
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    stream = trainer.events()
+
+    async def stop_at_the_end() -> None:
+        async for event in stream:
+            if isinstance(event, StepEnded) and event.step == 2:
+                trainer.stop("done")
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(stop_at_the_end)
+        result = await trainer.fit(batches, epochs=2)
+    assert result.stopped
+    assert result.epoch == 1
+    assert [record.items for record in result.history] == [12]
+
+
+async def test_progress_after_a_mid_epoch_resume_reaches_the_total(tmp_path: Any) -> None:
+    batches = make_batches([4] * 6)
+    first = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    stream = first.events()
+
+    async def stop_mid_epoch() -> None:
+        async for event in stream:
+            if isinstance(event, StepEnded) and event.step == 2:
+                first.stop()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(stop_mid_epoch)
+        await first.fit(batches, epochs=1)
+    path = await first.save_checkpoint(tmp_path / "mid.ckpt")
+    resumed = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    resumed_stream = resumed.events()
+    result = await resumed.fit(batches, epochs=1, resume=path)
+    steps = [e async for e in resumed_stream if isinstance(e, StepEnded)]
+    done_before = 4 * first.global_step
+    assert steps[0].step == first.global_step
+    assert steps[0].progress.items_processed == done_before + 4  # counting on, not from zero
+    assert steps[-1].progress.items_processed == steps[-1].progress.items_total == 24
+    assert result.history[0].items == 24  # the epoch's record covers every item, both runs
+    assert_close(resumed.model, reference(batches, 1, SGD))
+
+
+async def test_an_empty_batch_is_skipped_and_not_counted() -> None:
+    batches = make_batches([4, 0, 4])
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    result = await trainer.fit(batches, epochs=1)
+    assert result.global_step == 2
+    assert_close(trainer.model, reference([batches[0], batches[2]], 1, SGD))
+
+
+async def test_a_checkpoint_asked_for_as_fit_starts_waits_for_the_replicas(tmp_path: Any) -> None:
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    async with anyio.create_task_group() as group:
+        group.start_soon(lambda: trainer.fit(make_batches([4] * 5), epochs=1))  # type: ignore[arg-type,return-value]
+        await anyio.sleep(0)
+        path = await trainer.save_checkpoint(tmp_path / "early.ckpt")
+    assert asyncddp._checkpoint.load(path)["epoch"] in (0, 1)
+    assert trainer.global_step == 5

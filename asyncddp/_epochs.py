@@ -1,0 +1,301 @@
+"""Epochs: iterating the data, stepping, validating, and closing each epoch exactly once.
+
+The :class:`Trainer` is built from three parts: ``_steps`` (one optimizer step across the
+devices, and the failure policy), this module (epochs and validation), and ``_resume``
+(where training is, for checkpoints and resuming). They share the trainer's state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+from tqdm.auto import tqdm
+
+from . import _checkpoint
+from ._data import items_in, items_total, pin
+from ._events import EpochEnded, StepEnded, ValidationEnded
+from ._exceptions import DataError
+from ._jobs import Jobs, Sums
+from ._loader import Prefetcher
+from ._progress import ProgressTracker
+from ._steps import Steps, Window, shard_items
+
+__all__ = ["EpochRecord", "Epochs"]
+
+_log = logging.getLogger("asyncddp")
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    """One epoch of training: means over every item it saw."""
+
+    epoch: int
+    train_loss: float
+    train_metrics: Mapping[str, float]
+    valid_metrics: Mapping[str, float] | None
+    items: int
+    seconds: float
+
+
+class Epochs(Steps):
+    """The epoch loop of :class:`Trainer` (a mixin: the trainer owns the state)."""
+
+    epoch: int
+    history: list[EpochRecord]
+    prefetch: int
+    pin_memory: bool
+    progress_bar: bool | None
+    checkpoint_dir: Path | None
+    _batches_done: int
+    _epoch_rng: dict[str, Any] | None
+    _epoch_sums: Sums
+    _epoch_items: dict[str, int]
+    _epoch_seconds: float
+    _epoch_trained: bool
+    _stop_reason: str | None
+    _step_lock: anyio.Lock | None
+
+    async def _save_epoch_checkpoint(self) -> None:
+        raise NotImplementedError
+
+    async def _train_epoch(self, data: Iterable[Any], epochs: int) -> bool:
+        """Train on the epoch's batches (or the rest of them); False when ``stop()`` came first."""
+        epoch, total = self.epoch, items_total(data)
+        skip = self._batches_done
+        resume_rng = None
+        if skip and self._epoch_rng is not None:
+            # Continue mid-epoch: replay the epoch's start so that the loader yields the same
+            # order (a shuffling DataLoader draws its seed in iter()), then skip what was done.
+            resume_rng = _checkpoint.capture_rng()
+            _checkpoint.restore_rng(self._epoch_rng)
+        else:
+            self._epoch_rng = _checkpoint.capture_rng()
+            skip = 0
+        tracked = [d.name for d in self.devices] + [
+            name for name in self._epoch_items if name not in {d.name for d in self.devices}
+        ]  # a device dropped earlier in the epoch keeps its count
+        tracker = ProgressTracker(
+            len(tracked), total, start=[self._epoch_items.get(n, 0) for n in tracked]
+        )
+        started = time.perf_counter() - self._epoch_seconds
+        window, pending, seen, exhausted = Window(), [], 0, True
+        bar = self._progress_bar(epoch, epochs, total, tracker.progress.items_processed)
+        try:
+            async with Prefetcher(
+                data,
+                depth=self.prefetch,
+                transform=pin if self.pin_memory else None,
+                name="train_data",
+            ) as batches:
+                async for batch in batches:
+                    if resume_rng is not None:
+                        _checkpoint.restore_rng(resume_rng)  # the loader has drawn its seed
+                        resume_rng = None
+                    seen += 1
+                    if seen <= skip:
+                        continue
+                    items_in(batch)  # a clear error, before any work, for a batch we cannot split
+                    pending.append(batch)
+                    per_step = 1 if self.split_batches else len(self.devices)
+                    if len(pending) < per_step:
+                        continue
+                    window.batches.append(pending[:per_step])
+                    pending = pending[per_step:]
+                    final = len(window.batches) == self.accumulate_grad_batches
+                    await self._step(window, epoch, final, tracker, tracked, bar)
+                    if final:
+                        window = Window()
+                        if self._stop_reason is not None:
+                            # Stopped: the epoch is over only if the data is used up too.
+                            exhausted = await anext(batches, None) is None
+                            break
+                else:
+                    if resume_rng is not None:
+                        _checkpoint.restore_rng(resume_rng)
+                    if pending:
+                        window.batches.append(pending)
+                    if window.batches:
+                        await self._step(window, epoch, True, tracker, tracked, bar)
+        finally:
+            bar.close()
+            self._epoch_seconds = time.perf_counter() - started
+        if not exhausted:
+            return False
+        if seen == 0:
+            raise DataError("train_data yielded no batches; give at least one batch per epoch")
+        self._epoch_trained = True
+        record = self._epoch_record(epoch)
+        _log.info(
+            "epoch %d: train_loss=%.6g over %d items in %.2fs",
+            epoch,
+            record.train_loss,
+            record.items,
+            record.seconds,
+        )
+        self._hub.publish(
+            EpochEnded(
+                epoch, record.train_loss, record.items, record.seconds, dict(record.train_metrics)
+            )
+        )
+        return True
+
+    async def _step(
+        self,
+        window: Window,
+        epoch: int,
+        final: bool,
+        tracker: ProgressTracker,
+        tracked: list[str],
+        bar: Any,
+    ) -> None:
+        """One micro-step of ``window``; with ``final``, the optimizer step and its reports."""
+        if not final:
+            await self._run_step(window, epoch, final=False)
+            return
+        assert self._step_lock is not None
+        async with self._step_lock:  # a checkpoint sees either all of this step or none
+            lr = await self._run_step(window, epoch, final=True)
+            self._batches_done += window.batch_count
+            self._epoch_sums.add(window.sums)
+            for name, count in window.device_items.items():
+                self._epoch_items[name] = self._epoch_items.get(name, 0) + count
+            if window.sums.items == 0:
+                return  # nothing to learn from: no step was taken or counted
+            self.global_step += 1
+        progress = tracker.update([window.device_items.get(name, 0) for name in tracked])
+        items = window.sums.items
+        loss = window.sums.loss / items
+        bar.update(items)
+        bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+        self._hub.publish(
+            StepEnded(
+                epoch,
+                self.global_step - 1,
+                loss,
+                items,
+                progress,
+                {k: v / items for k, v in window.sums.metrics.items()},
+                lr,
+            )
+        )
+
+    def _epoch_record(self, epoch: int) -> EpochRecord:
+        sums = self._epoch_sums
+        items = max(sums.items, 1)
+        return EpochRecord(
+            epoch,
+            sums.loss / items,
+            {k: v / items for k, v in sums.metrics.items()},
+            None,
+            sums.items,
+            self._epoch_seconds,
+        )
+
+    async def _end_epoch(self, valid_data: Iterable[Any] | None) -> EpochRecord:
+        """Validate, step the epoch's LR schedulers and close the epoch: once, even if cancelled
+        and called again."""
+        record = self._epoch_record(self.epoch)
+        if valid_data is not None:
+            record = dataclasses.replace(
+                record, valid_metrics=await self._validate(valid_data, epoch=record.epoch)
+            )
+        assert self._step_lock is not None
+        async with self._step_lock:
+            # No await in here: the LR step and the move to the next epoch are one.
+            if self.lr_scheduler_interval == "epoch":
+                with warnings.catch_warnings():
+                    # After a resume between an epoch's last step and its end, no optimizer
+                    # step has run in this process yet, and torch would warn about the order.
+                    warnings.filterwarnings(
+                        "ignore", "Detected call of `lr_scheduler.step", UserWarning
+                    )
+                    for replica in self._replicas:  # plain Python on floats: no tensor work
+                        if replica.scheduler is not None:
+                            replica.scheduler.step()
+            self.history.append(record)
+            self.epoch += 1
+            self._batches_done, self._epoch_rng, self._epoch_trained = 0, None, False
+            self._epoch_sums, self._epoch_items, self._epoch_seconds = Sums(), {}, 0.0
+        if self.checkpoint_dir is not None:
+            await self._save_epoch_checkpoint()
+        return record
+
+    async def _validate(self, data: Iterable[Any], *, epoch: int | None) -> dict[str, float]:
+        jobs = self._jobs()
+        modes = [replica.model.training for replica in self._replicas]
+        for replica in self._replicas:
+            replica.model.eval()
+        totals, items, pending = Sums(), 0, []
+        try:
+            async with Prefetcher(
+                data,
+                depth=self.prefetch,
+                transform=pin if self.pin_memory else None,
+                name="valid_data",
+            ) as batches:
+                async for batch in batches:
+                    pending.append(batch)
+                    if len(pending) == (1 if self.split_batches else len(self.devices)):
+                        items += await self._validate_step(jobs, pending, totals, epoch)
+                        pending = []
+                if pending:
+                    items += await self._validate_step(jobs, pending, totals, epoch)
+        finally:
+            for replica, mode in zip(self._replicas, modes, strict=True):
+                replica.model.train(mode)
+        if items == 0:
+            raise DataError("valid_data yielded no items; give at least one batch")
+        metrics = {"loss": totals.loss / items, **{k: v / items for k, v in totals.metrics.items()}}
+        _log.info("validation: %s over %d items", _format(metrics), items)
+        self._hub.publish(ValidationEnded(epoch, dict(metrics), items))
+        return metrics
+
+    async def _validate_step(
+        self, jobs: Jobs, batches: list[Any], totals: Sums, epoch: int | None
+    ) -> int:
+        for batch in batches:
+            items_in(batch)
+        shards = self._shards(batches)
+        counts = [shard_items(shard) for shard in shards]
+        result = await self._require_scheduler().run(
+            jobs.validate,
+            list(zip(shards, counts, strict=True)),
+            items=counts,
+            step=self.global_step,
+            epoch=epoch,
+            phase="valid",
+        )
+        for sums in result.outputs:
+            totals.add(sums)
+        return sum(counts)
+
+    def _progress_bar(self, epoch: int, epochs: int, total: int | None, done: int) -> Any:
+        enabled = self.progress_bar if self.progress_bar is not None else _interactive()
+        return tqdm(
+            total=total,
+            initial=done,
+            desc=f"epoch {epoch + 1}/{epochs}",
+            unit="item",
+            dynamic_ncols=True,
+            leave=True,
+            disable=not enabled,
+        )
+
+
+def _interactive() -> bool:
+    if "ipykernel" in sys.modules:
+        return True
+    return bool(getattr(sys.stderr, "isatty", lambda: False)())
+
+
+def _format(metrics: Mapping[str, float]) -> str:
+    return ", ".join(f"{name}={value:.6g}" for name, value in metrics.items())

@@ -1,0 +1,200 @@
+"""The jobs a Trainer runs on its devices' workers, one per device per phase.
+
+Each job finds its replica by ``ctx.device.index`` and runs on that device's worker thread,
+never on the event loop. The trainer hands them to :meth:`StepScheduler.run`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._data import move_to
+from ._replica import Replica, StepFunction, loss_and_metrics
+from ._sync import all_gather, reduce_scatter
+from ._worker import WorkerContext
+
+__all__ = ["ApplyWork", "Jobs", "Sums", "TrainWork"]
+
+
+@dataclass
+class Sums:
+    """Per-device sums over items: ``sum(loss_i * n_i)`` and the same for each metric.
+
+    ``used`` is a bit mask of the parameters that got a gradient (training only).
+    """
+
+    items: int = 0
+    loss: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    used: int = 0
+
+    def add(self, other: Sums) -> None:
+        self.items += other.items
+        self.loss += other.loss
+        for name, value in other.metrics.items():
+            self.metrics[name] = self.metrics.get(name, 0.0) + value
+        self.used |= other.used
+
+
+@dataclass(frozen=True)
+class TrainWork:
+    """What one device's forward-and-backward job gets."""
+
+    shard: Any
+    weight: float  # the loss is multiplied by it before backward
+    items: int
+    opens_window: bool  # the first forward of an optimizer step
+
+
+@dataclass(frozen=True)
+class ApplyWork:
+    """What every device's optimizer-step job gets."""
+
+    coefficient: float  # gradient clipping
+    atomic: bool  # back up before stepping
+    scheduler_step: bool  # step the LR scheduler too
+    apply_id: int  # tells this step from earlier ones when undoing
+    unused: tuple[int, ...]  # parameters no device used in this step
+
+
+class Jobs:
+    """The jobs of one trainer, bound to its replicas, step functions and precision."""
+
+    def __init__(
+        self,
+        replicas: list[Replica],
+        step: StepFunction,
+        valid_step: StepFunction,
+        autocast: torch.dtype | None,
+    ) -> None:
+        self.replicas = replicas
+        self.step = step
+        self.valid_step = valid_step
+        self.autocast = autocast
+
+    def _forward(self, fn: StepFunction, replica: Replica, shard: Any, ctx: WorkerContext) -> Any:
+        batch = move_to(shard, ctx.torch_device, non_blocking=True)
+        if self.autocast is None:
+            return fn(replica.model, batch)
+        with torch.autocast(ctx.device.type, dtype=self.autocast):
+            return fn(replica.model, batch)
+
+    def train(self, ctx: WorkerContext, work: TrainWork) -> Sums:
+        """Forward and backward on one shard; gradients accumulate into the flat buffers."""
+        replica = self.replicas[ctx.device.index]
+        if work.opens_window:
+            replica.open_window()
+        if work.items == 0:
+            return Sums()
+        output = self._forward(self.step, replica, work.shard, ctx)
+        loss, metrics = loss_and_metrics(output, training=True)
+        (loss * work.weight if work.weight != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
+        replica.grads.attach()  # in case the step replaced a .grad
+        items = work.items
+        # Host-device sync point: the loss comes back as a Python float.
+        return Sums(
+            items,
+            float(loss.detach()) * items,
+            {k: float(v) * items for k, v in metrics.items()},
+            replica.used_mask(),
+        )
+
+    def validate(self, ctx: WorkerContext, work: tuple[Any, int]) -> Sums:
+        shard, items = work
+        replica = self.replicas[ctx.device.index]
+        if items == 0:
+            return Sums()
+        with torch.no_grad():
+            output = self._forward(self.valid_step, replica, shard, ctx)
+            loss, metrics = loss_and_metrics(output, training=False)
+        return Sums(items, float(loss) * items, {k: float(v) * items for k, v in metrics.items()})
+
+    def reduce(self, ctx: WorkerContext, work: tuple[float, bool]) -> tuple[float, bool]:
+        scale, want_norm = work
+        grads = [replica.grads for replica in self.replicas]
+        return reduce_scatter(grads, ctx.device.index, scale, want_norm=want_norm)
+
+    def apply(self, ctx: WorkerContext, work: ApplyWork) -> float | None:
+        """All-gather the reduced gradients, then take the optimizer step."""
+        index = ctx.device.index
+        replica = self.replicas[index]
+        all_gather([r.grads for r in self.replicas], index, work.coefficient)
+        if work.atomic:
+            replica.backup.capture(replica.params, replica.optimizer, replica.scheduler)
+        for unused in work.unused:
+            replica.params[unused].grad = None  # no device used it: the optimizer skips it
+        replica.stepped_at = work.apply_id  # from here on, a failure must be undone
+        replica.optimizer.step()
+        if work.scheduler_step and replica.scheduler is not None:
+            replica.scheduler.step()
+        replica.grads.attach()
+        replica.grads.zero_()
+        if index:
+            # Buffers (BatchNorm statistics) follow the first replica, as DDP's
+            # broadcast_buffers: the first replica's buffers are not written in this step.
+            with torch.no_grad():
+                for mine, first in zip(replica.buffers, self.replicas[0].buffers, strict=True):
+                    mine.copy_(first, non_blocking=True)
+        return replica.lr()
+
+    def abandon(self, ctx: WorkerContext, apply_id: int | None) -> None:
+        """Undo an unfinished step: its optimizer step (if taken), its forwards, its gradients."""
+        replica = self.replicas[ctx.device.index]
+        if apply_id is not None and replica.stepped_at == apply_id:
+            replica.backup.restore(replica.params, replica.optimizer, replica.scheduler)
+        replica.stepped_at = None
+        replica.grads.attach()
+        replica.grads.zero_()
+        if replica.buffer_backup is not None:
+            with torch.no_grad():
+                for buffer, saved in zip(replica.buffers, replica.buffer_backup, strict=True):
+                    buffer.copy_(saved)
+        replica.used = [False] * len(replica.params)
+
+    def regroup(self, ctx: WorkerContext, parts: int) -> None:
+        self.replicas[ctx.device.index].regroup(parts, ctx.device.index)
+
+    def snapshot(self, ctx: WorkerContext, wanted: bool) -> dict[str, Any] | None:
+        """The first replica's state on the CPU (copied, so training may go on)."""
+        if not wanted:
+            return None
+        replica = self.replicas[ctx.device.index]
+        return {
+            "model": to_cpu(replica.model.state_dict()),
+            "optimizer": to_cpu(replica.optimizer.state_dict()),
+            "lr_scheduler": replica.scheduler.state_dict() if replica.scheduler else None,
+        }
+
+    def load(self, ctx: WorkerContext, state: Mapping[str, Any]) -> None:
+        load_into(self.replicas[ctx.device.index], state)
+
+
+def load_into(replica: Replica, state: Mapping[str, Any]) -> None:
+    """Load a trainer state's model, optimizer and LR scheduler into one replica."""
+    replica.model.load_state_dict(state["model"])
+    if state.get("optimizer") is not None:
+        # A private copy: Optimizer.load_state_dict keeps tensors that already match the
+        # parameters' device and dtype, and replicas must never share optimizer state.
+        replica.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+    if replica.scheduler is not None and state.get("lr_scheduler") is not None:
+        replica.scheduler.load_state_dict(state["lr_scheduler"])
+    replica.grads.attach()
+    replica.grads.zero_()
+
+
+def to_cpu(value: Any) -> Any:
+    """A copy of ``value`` with every tensor on the CPU (safe to keep while training goes on)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: to_cpu(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [to_cpu(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(to_cpu(item) for item in value)
+    return value

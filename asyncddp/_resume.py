@@ -1,0 +1,114 @@
+"""Where training is: the position within an epoch, RNG states, checkpoints and resuming.
+
+A checkpoint holds the first replica's model, optimizer and LR scheduler state, and the
+*position*: epoch, step, batches done in the epoch, the epoch's loss sums and item counts, the
+RNG state at the epoch's start and now. Resuming in mid-epoch replays the epoch's start, so a
+shuffling ``DataLoader`` draws the same order, and skips the batches already trained on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+from torch import nn
+
+from . import _checkpoint
+from ._epochs import EpochRecord, Epochs
+from ._events import CheckpointSaved
+from ._exceptions import ConfigurationError
+from ._jobs import Sums
+from ._precision import LossScaler
+
+__all__ = ["Resumable"]
+
+_log = logging.getLogger("asyncddp")
+
+
+class Resumable(Epochs):
+    """Position, checkpoints and resuming for :class:`Trainer` (a mixin)."""
+
+    _source: nn.Module
+    _pending_state: dict[str, Any] | None
+    _scaler: LossScaler | None
+
+    def _position(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "global_step": self.global_step,
+            "batches_done": self._batches_done,
+            "epoch_rng": self._epoch_rng,
+            "epoch_trained": self._epoch_trained,
+            "epoch_sums": dataclasses.asdict(self._epoch_sums),
+            "epoch_items": dict(self._epoch_items),
+            "epoch_seconds": self._epoch_seconds,
+            "rng": _checkpoint.capture_rng(),
+            "history": [_record_dict(record) for record in self.history],
+            "loss_scaler": self._scaler.state_dict() if self._scaler is not None else None,
+            "devices": [device.name for device in self.devices],
+        }
+
+    def _adopt(self, state: Mapping[str, Any]) -> None:
+        """Take a saved state's position and RNG now; its tensors at the next session start."""
+        self.epoch = int(state["epoch"])
+        self.global_step = int(state["global_step"])
+        self._batches_done = int(state["batches_done"])
+        self._epoch_rng = state.get("epoch_rng")
+        self._epoch_trained = bool(state.get("epoch_trained", False))
+        self._epoch_sums = Sums(**state["epoch_sums"]) if state.get("epoch_sums") else Sums()
+        self._epoch_items = dict(state.get("epoch_items") or {})
+        self._epoch_seconds = float(state.get("epoch_seconds", 0.0))
+        self.history = [EpochRecord(**record) for record in state.get("history", [])]
+        if self._scaler is not None and state.get("loss_scaler"):
+            self._scaler.load_state_dict(state["loss_scaler"])
+        if state.get("rng") is not None:
+            _checkpoint.restore_rng(state["rng"])
+        self._window_open = True  # whatever was half done is undone at the next session start
+        if not self._replicas:
+            self._source.load_state_dict(state["model"])
+        self._pending_state = dict(state)
+
+    async def _snapshot(self) -> dict[str, Any]:
+        n = len(self.devices)
+        result = await self._scheduler_run(
+            self._jobs().snapshot, [True] + [False] * (n - 1), phase="checkpoint"
+        )
+        state: dict[str, Any] = result.outputs[0]
+        state.update(self._position())
+        return state
+
+    async def _save_epoch_checkpoint(self) -> None:
+        assert self.checkpoint_dir is not None
+        assert self._step_lock is not None
+        path = self.checkpoint_dir / _checkpoint.checkpoint_name(self.epoch, self.global_step)
+        async with self._step_lock:
+            state = await self._snapshot()
+        await anyio.to_thread.run_sync(_checkpoint.save, state, path)
+        _log.info("checkpoint saved: %s", path)
+        self._hub.publish(CheckpointSaved(str(path), self.epoch, self.global_step))
+
+    async def _read_checkpoint(self, resume: str | os.PathLike[str]) -> dict[str, Any]:
+        if str(resume) == "latest":
+            if self.checkpoint_dir is None:
+                raise ConfigurationError("resume='latest' needs Trainer(checkpoint_dir=...)")
+            path = _checkpoint.latest_checkpoint(self.checkpoint_dir)
+            if path is None:
+                raise ConfigurationError(
+                    f"resume='latest': no checkpoint in {str(self.checkpoint_dir)!r}"
+                )
+        else:
+            path = Path(resume)
+        return await anyio.to_thread.run_sync(_checkpoint.load, path)
+
+
+def _record_dict(record: EpochRecord) -> dict[str, Any]:
+    return {
+        **dataclasses.asdict(record),
+        "train_metrics": dict(record.train_metrics),
+        "valid_metrics": dict(record.valid_metrics) if record.valid_metrics is not None else None,
+    }

@@ -1,0 +1,300 @@
+"""One optimizer step across the devices, and what happens when a device fails in it.
+
+A step is a *window* of one or more batches (``accumulate_grad_batches``):
+
+1. forward and backward of each batch on every device (``train`` jobs), gradients accumulating
+   into each replica's flat buckets;
+2. reduce-scatter of the buckets (``reduce`` jobs): global norm, finite check;
+3. all-gather and optimizer step on every device (``apply`` jobs, shielded: all run to the end).
+
+A failure anywhere makes the window *abandoned* on every device (``abandon`` jobs): an optimizer
+step already taken is undone from its backup, the buffers go back to what the window found, the
+gradients are zeroed. Then the failure policy raises, retries the window, or drops the failed
+devices and retries on the rest. No step is ever half-applied.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._data import items_in, split_batch
+from ._devices import Device, resolve_devices
+from ._events import DeviceDropped, EventHub, StepRetried, WorkerFailed
+from ._exceptions import StepOutputError, WorkerFailedError, WorkerTimeoutError
+from ._jobs import ApplyWork, Jobs, Sums, TrainWork
+from ._precision import LossScaler
+from ._replica import Replica
+from ._scheduler import StepScheduler
+
+__all__ = ["DeviceDroppedWarning", "Steps", "Window"]
+
+
+class DeviceDroppedWarning(RuntimeWarning):
+    """A failed device was dropped and training went on without it (``on_failure="drop"``)."""
+
+
+@dataclass
+class Window:
+    """The batches of one optimizer step, kept so that a failed step can run again."""
+
+    batches: list[list[Any]] = field(default_factory=list)  # per micro-step: 1, or 1 per device
+    done: int = 0  # micro-steps whose forward and backward have run
+    sums: Sums = field(default_factory=Sums)
+    device_items: dict[str, int] = field(default_factory=dict)  # by device name
+
+    def restart(self, devices: int, split_batches: bool) -> None:
+        """Forget the work done, to run the window again (on ``devices`` devices)."""
+        self.done, self.sums, self.device_items = 0, Sums(), {}
+        if not split_batches:  # whole batches per device: regroup for the devices left
+            flat = [batch for group in self.batches for batch in group]
+            self.batches = [flat[i : i + devices] for i in range(0, len(flat), devices)]
+
+    @property
+    def batch_count(self) -> int:
+        return sum(len(group) for group in self.batches)
+
+
+def shard_items(shard: Any) -> int:
+    return 0 if shard is None else items_in(shard)
+
+
+class Steps:
+    """The step machinery of :class:`Trainer` (a mixin: the trainer owns the state)."""
+
+    devices: tuple[Device, ...]
+    accumulate_grad_batches: int
+    gradient_clip_val: float | None
+    split_batches: bool
+    atomic_steps: bool
+    on_failure: str
+    max_retries: int
+    lr_scheduler_interval: str
+    step_timeout: float | None
+    global_step: int
+    _replicas: list[Replica]
+    _scaler: LossScaler | None
+    _scheduler: StepScheduler | None
+    _hub: EventHub
+    _window_open: bool
+    _consistent: bool
+    _apply_id: int
+
+    def _jobs(self) -> Jobs:
+        raise NotImplementedError
+
+    def _require_scheduler(self) -> StepScheduler:
+        assert self._scheduler is not None, "no session is open"
+        return self._scheduler
+
+    async def _scheduler_run(
+        self,
+        fn: Any,
+        shards: Sequence[Any],
+        *,
+        phase: str,
+        epoch: int | None = None,
+        shield: bool = False,
+    ) -> Any:
+        return await self._require_scheduler().run(
+            fn,
+            shards,
+            items=[0] * len(shards),
+            step=self.global_step,
+            epoch=epoch,
+            phase=phase,
+            shield=shield,
+        )
+
+    async def _run_all(self, fn: Any, work: Any = None, *, phase: str, shield: bool = False) -> Any:
+        return await self._scheduler_run(fn, [work] * len(self.devices), phase=phase, shield=shield)
+
+    def _shards(self, batches: list[Any]) -> list[Any]:
+        """One shard per device: a split batch, or whole batches (None for a device without)."""
+        n = len(self.devices)
+        if self.split_batches:
+            return split_batch(batches[0], n)
+        return batches + [None] * (n - len(batches))
+
+    # -- one step, with the failure policy ---------------------------------------------------
+
+    async def _run_step(self, window: Window, epoch: int, *, final: bool) -> float | None:
+        """Forward and backward for the window's batches not yet run; with ``final``, also the
+        optimizer step. Applies the failure policy. Returns the learning rate after the step."""
+        attempt = 0
+        while True:
+            try:
+                await self._forward_backward(window, epoch)
+                return await self._optimizer_step(window) if final else None
+            except WorkerFailedError as error:
+                await self._on_failure(error, window, epoch, attempt)
+                attempt += 1
+            except BaseException:
+                # Cancelled (or interrupted) in mid-step: undo it now, shielded, so that the
+                # trainer is consistent the moment the cancellation arrives.
+                if self._window_open:
+                    await self._abandon()
+                raise
+
+    async def _on_failure(
+        self, error: WorkerFailedError, window: Window, epoch: int, attempt: int
+    ) -> None:
+        """Apply the failure policy: raise, or undo and get ``window`` ready to run again."""
+        if isinstance(error.__cause__, StepOutputError):
+            await self._abandon_quietly()
+            raise error.__cause__ from None  # a mistake in the step, not a device fault
+        failed = {error.device.name, *(f.device.name for f in error.other_failures)}
+        action = self._next_action(failed, attempt)
+        self._hub.publish(
+            WorkerFailed(
+                error.device.name, error.epoch, error.step, error.phase, str(error), action
+            )
+        )
+        if action == "raise":
+            if not isinstance(error, WorkerTimeoutError):  # a hung device cannot undo
+                await self._abandon_quietly()
+            raise error
+        if action == "drop":
+            await self._drop_devices(failed)
+        if await self._abandon() or not self._consistent:
+            self._consistent = False
+            raise error
+        window.restart(len(self.devices), self.split_batches)
+        self._hub.publish(StepRetried(epoch, self.global_step, attempt + 1))
+
+    def _next_action(self, failed: set[str], attempt: int) -> str:
+        if not self._consistent:
+            return "raise"
+        if self.on_failure == "retry" and attempt < self.max_retries:
+            return "retry"
+        if self.on_failure == "drop" and len(failed) < len(self.devices):
+            return "drop"
+        return "raise"
+
+    async def _abandon(self, apply_id: int | None = None) -> set[str]:
+        """Undo the open window on every device; returns the devices that could not."""
+        try:
+            await self._run_all(self._jobs().abandon, apply_id, phase="abandon", shield=True)
+        except WorkerFailedError as error:
+            return {error.device.name, *(f.device.name for f in error.other_failures)}
+        self._window_open = False
+        return set()
+
+    async def _abandon_quietly(self) -> None:
+        # If it cannot be undone now, the next session undoes it before anything else.
+        await self._abandon()
+
+    # -- the three phases ---------------------------------------------------------------------
+
+    async def _forward_backward(self, window: Window, epoch: int) -> None:
+        scale = self._scaler.scale if self._scaler is not None else 1.0
+        jobs = self._jobs()
+        while window.done < len(window.batches):
+            # Split when run, not when loaded: a dropped device changes the split.
+            shards = self._shards(window.batches[window.done])
+            counts = [shard_items(shard) for shard in shards]
+            total = sum(counts)
+            if self.accumulate_grad_batches == 1:
+                weights = [scale * n / total if total else 0.0 for n in counts]
+            else:  # the window's item count is known only at its end: divide then
+                weights = [scale * n for n in counts]
+            opens = window.done == 0
+            if opens:
+                self._window_open = True
+            if total or opens:
+                work = [
+                    TrainWork(shard, weight, n, opens)
+                    for shard, weight, n in zip(shards, weights, counts, strict=True)
+                ]
+                result = await self._require_scheduler().run(
+                    jobs.train,
+                    work,
+                    items=counts,
+                    step=self.global_step,
+                    epoch=epoch,
+                    phase="train",
+                )
+                for device, count, sums in zip(self.devices, counts, result.outputs, strict=True):
+                    window.sums.add(sums)
+                    window.device_items[device.name] = (
+                        window.device_items.get(device.name, 0) + count
+                    )
+            window.done += 1
+
+    async def _optimizer_step(self, window: Window) -> float | None:
+        """Reduce the gradients across devices, clip, and step every replica, all or none."""
+        n = len(self.devices)
+        jobs = self._jobs()
+        if window.sums.items == 0:  # nothing to learn from: no step is taken or counted
+            await self._abandon()
+            return None
+        scale = 1.0 if self.accumulate_grad_batches == 1 else 1.0 / window.sums.items
+        if self._scaler is not None:
+            scale /= self._scaler.scale
+        want_norm = self.gradient_clip_val is not None
+        finite, norm = True, 0.0
+        if n > 1 or scale != 1.0 or want_norm or self._scaler is not None:
+            reduced = await self._run_all(jobs.reduce, (scale, want_norm), phase="reduce")
+            norm = math.sqrt(sum(norm_sq for norm_sq, _ in reduced.outputs))
+            finite = all(ok for _, ok in reduced.outputs)
+        if self._scaler is not None:
+            self._scaler.update(finite)
+            if not finite:  # skip this step, as GradScaler does, with a smaller scale next time
+                await self._abandon()
+                return self._replicas[0].lr()
+        coefficient = 1.0
+        if self.gradient_clip_val is not None and norm > self.gradient_clip_val:
+            coefficient = self.gradient_clip_val / (norm + 1e-6)
+        self._apply_id += 1
+        unused = tuple(
+            i for i in range(len(self._replicas[0].params)) if not window.sums.used >> i & 1
+        )
+        work = ApplyWork(
+            coefficient,
+            self.atomic_steps,
+            self.lr_scheduler_interval == "step",
+            self._apply_id,
+            unused,
+        )
+        try:
+            applied = await self._run_all(jobs.apply, work, phase="optimizer", shield=True)
+        except BaseException:
+            # Some replicas may have stepped: undo the step everywhere (shielded, so that it
+            # happens even while the fit is being cancelled), then let the error go on.
+            if not self.atomic_steps or await self._abandon(self._apply_id):
+                self._consistent = False
+            raise
+        self._window_open = False
+        lr: float | None = applied.outputs[0]
+        return lr
+
+    # -- dropping devices ---------------------------------------------------------------------
+
+    async def _drop_devices(self, failed: set[str]) -> None:
+        keep = [i for i, device in enumerate(self.devices) if device.name not in failed]
+        remaining = tuple(self.devices[i] for i in keep)
+        message = (
+            f"dropping failed device(s) {', '.join(sorted(failed))}; training goes on with "
+            f"{', '.join(d.name for d in remaining)}"
+        )
+        warnings.warn(message, DeviceDroppedWarning, stacklevel=5)
+        old = self._require_scheduler()
+        self._replicas = [self._replicas[i] for i in keep]
+        self.devices = resolve_devices(remaining)
+        for replica, device in zip(self._replicas, self.devices, strict=True):
+            replica.device = device
+        new = StepScheduler(self.devices, step_timeout=self.step_timeout)
+        new.start()
+        self._scheduler = new  # the session closes it
+        with warnings.catch_warnings():
+            # A hung device's thread is left behind on purpose: that is why it is dropped.
+            warnings.simplefilter("ignore", RuntimeWarning)
+            await old.aclose()
+        await self._scheduler_run(
+            self._jobs().regroup, [len(self.devices)] * len(self.devices), phase="setup"
+        )
+        for name in sorted(failed):
+            self._hub.publish(DeviceDropped(name, tuple(d.name for d in self.devices)))
