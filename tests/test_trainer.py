@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1016,7 +1017,7 @@ async def test_a_checkpoint_asked_for_as_fit_starts_waits_for_the_replicas(tmp_p
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
     async with anyio.create_task_group() as group:
         group.start_soon(lambda: trainer.fit(make_batches([4] * 5), epochs=1))  # type: ignore[arg-type,return-value]
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
         path = await trainer.save_checkpoint(tmp_path / "early.ckpt")
     assert asyncddp._checkpoint.load(path)["epoch"] in (0, 1)
     assert trainer.global_step == 5
