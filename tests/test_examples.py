@@ -64,3 +64,9 @@ def test_ci_runs_the_readme_commands() -> None:
     assert commands, "the README shows no commands"
     for command in commands:
         assert command in ci, f".ci/run does not run the README's {command!r}"
+
+
+def test_events_example_prints_what_the_docs_show() -> None:
+    out = run_example("examples/events.py")
+    assert out == (ROOT / "docs" / "img" / "events-output.txt").read_text()
+    assert out.strip().endswith("fit ended: stopped=False, error=None")
