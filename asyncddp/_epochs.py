@@ -67,6 +67,11 @@ class Epochs(Steps):
     async def _save_epoch_checkpoint(self) -> None:
         raise NotImplementedError
 
+    def _prefetcher(self, data: Iterable[Any], name: str) -> Prefetcher:
+        """Batches of ``data`` loaded on a thread, ahead, page-locked when going to a GPU."""
+        transform = pin if self.pin_memory else None
+        return Prefetcher(data, depth=self.prefetch, transform=transform, name=name)
+
     async def _train_epoch(self, data: Iterable[Any], epochs: int) -> bool:
         """Train on the epoch's batches (or the rest of them); False when ``stop()`` came first."""
         epoch, total = self.epoch, items_total(data)
@@ -90,12 +95,7 @@ class Epochs(Steps):
         window, pending, seen, exhausted = Window(), [], 0, True
         bar = self._progress_bar(epoch, epochs, total, tracker.progress.items_processed)
         try:
-            async with Prefetcher(
-                data,
-                depth=self.prefetch,
-                transform=pin if self.pin_memory else None,
-                name="train_data",
-            ) as batches:
+            async with self._prefetcher(data, "train_data") as batches:
                 async for batch in batches:
                     if resume_rng is not None:
                         _checkpoint.restore_rng(resume_rng)  # the loader has drawn its seed
@@ -236,12 +236,7 @@ class Epochs(Steps):
             replica.model.eval()
         totals, items, pending = Sums(), 0, []
         try:
-            async with Prefetcher(
-                data,
-                depth=self.prefetch,
-                transform=pin if self.pin_memory else None,
-                name="valid_data",
-            ) as batches:
+            async with self._prefetcher(data, "valid_data") as batches:
                 async for batch in batches:
                     pending.append(batch)
                     if len(pending) == (1 if self.split_batches else len(self.devices)):
