@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import Any, Generic, TypeVar, cast
 
 import anyio
+import torch
 
 from ._data import count_items
 from ._devices import Device, DeviceSpec, resolve_devices
@@ -223,6 +224,10 @@ class StepScheduler:
         drain_timeout: After a failure or a cancellation, how many seconds to wait for the
             other devices' jobs that are already running, before raising anyway (they finish
             on their own; that device's next job waits for them). ``None`` waits for them.
+        threads_per_worker: Intra-op threads for each CPU worker's ops. By default the
+            caller's ``torch.get_num_threads()`` is shared out among the CPU workers (at least
+            one each), so that several CPU workers use the same cores in all as one would,
+            rather than each starting a full thread pool and oversubscribing the machine.
     """
 
     def __init__(
@@ -231,7 +236,10 @@ class StepScheduler:
         *,
         step_timeout: float | None = None,
         drain_timeout: float | None = 10.0,
+        threads_per_worker: int | None = None,
     ) -> None:
+        if threads_per_worker is not None and threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be >= 1 or None, got {threads_per_worker!r}")
         for name, value in (("step_timeout", step_timeout), ("drain_timeout", drain_timeout)):
             if value is not None and not value > 0:
                 raise ValueError(
@@ -241,6 +249,7 @@ class StepScheduler:
         self._device_types = frozenset(device.type for device in self.devices)
         self.step_timeout = step_timeout
         self.drain_timeout = drain_timeout
+        self.threads_per_worker = threads_per_worker
         self._workers: tuple[DeviceWorker, ...] = ()
         self._state = "new"
         self._next_step = 0
@@ -276,7 +285,12 @@ class StepScheduler:
         """Start the worker threads (``async with`` does this for you)."""
         if self._state != "new":
             raise SchedulerClosedError(f"{self!r} was started already; make a new one")
-        workers = tuple(DeviceWorker(device) for device in self.devices)
+        cpu_workers = sum(not device.is_cuda for device in self.devices)
+        share = self.threads_per_worker or max(1, torch.get_num_threads() // max(cpu_workers, 1))
+        workers = tuple(
+            DeviceWorker(device, threads=None if device.is_cuda else share)
+            for device in self.devices
+        )
         started: list[DeviceWorker] = []
         try:
             for worker in workers:

@@ -86,6 +86,9 @@ class Steps:
     def _jobs(self) -> Jobs:
         raise NotImplementedError
 
+    def _new_scheduler(self) -> StepScheduler:
+        raise NotImplementedError
+
     def _require_scheduler(self) -> StepScheduler:
         assert self._scheduler is not None, "no session is open"
         return self._scheduler
@@ -286,7 +289,7 @@ class Steps:
         self.devices = resolve_devices(remaining)
         for replica, device in zip(self._replicas, self.devices, strict=True):
             replica.device = device
-        new = StepScheduler(self.devices, step_timeout=self.step_timeout)
+        new = self._new_scheduler()
         new.start()
         self._scheduler = new  # the session closes it
         with warnings.catch_warnings():

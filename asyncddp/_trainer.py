@@ -127,6 +127,8 @@ class Trainer(Resumable):
         pin_memory: Page-lock batches on the loader thread before they go to a GPU; by default
             when a device is a GPU.
         prefetch: Batches loaded ahead of training, on the loader thread.
+        threads_per_worker: Intra-op threads for each CPU worker; by default the process's
+            ``torch.get_num_threads()`` shared out among the CPU workers.
     """
 
     def __init__(
@@ -151,6 +153,7 @@ class Trainer(Resumable):
         progress_bar: bool | None = None,
         pin_memory: bool | None = None,
         prefetch: int = 2,
+        threads_per_worker: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -192,6 +195,7 @@ class Trainer(Resumable):
         self.progress_bar = progress_bar
         self.pin_memory = any(d.is_cuda for d in self.devices) if pin_memory is None else pin_memory
         self.prefetch = prefetch
+        self.threads_per_worker = threads_per_worker
         #: Epochs completed so far; the next epoch's number.
         self.epoch = 0
         #: Optimizer steps taken so far.
@@ -391,7 +395,7 @@ class Trainer(Resumable):
         self._session_kind = kind
         self._session_done = anyio.Event()
         self._step_lock = anyio.Lock()
-        scheduler = StepScheduler(self.devices, step_timeout=self.step_timeout)
+        scheduler = self._new_scheduler()
         scheduler.start()
         self._scheduler = scheduler
         try:
@@ -440,6 +444,11 @@ class Trainer(Resumable):
 
         result = await self._scheduler_run(build, list(range(parts)), phase="setup")
         self._replicas = list(result.outputs)
+
+    def _new_scheduler(self) -> StepScheduler:
+        return StepScheduler(
+            self.devices, step_timeout=self.step_timeout, threads_per_worker=self.threads_per_worker
+        )
 
     def _jobs(self) -> Jobs:
         return Jobs(self._replicas, self._step_fn, self._valid_step_fn, self._autocast)

@@ -87,10 +87,13 @@ class DeviceWorker:
 
     Args:
         device: The device to run jobs for.
+        threads: Intra-op threads for this worker's CPU ops (``torch.set_num_threads`` is
+            per thread); ``None`` keeps torch's default.
     """
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, *, threads: int | None = None) -> None:
         self.device = device
+        self.threads = threads
         self.stream: torch.cuda.Stream | None = None
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._setup_error: BaseException | None = None
@@ -147,6 +150,8 @@ class DeviceWorker:
         return result
 
     def _main(self) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)  # per thread: the caller's setting is untouched
         if self.device.is_cuda:
             try:
                 # The current device and the current stream are both per-thread: set them once.

@@ -577,3 +577,22 @@ async def test_a_shielded_step_waits_for_every_job_after_a_failure() -> None:
         with pytest.raises(WorkerFailedError):
             await scheduler.run(fail_or_finish, [None, None], shield=True)
         assert finished.is_set()
+
+
+async def test_cpu_workers_share_the_callers_threads() -> None:
+    def threads(ctx: WorkerContext, shard: None) -> int:
+        return torch.get_num_threads()
+
+    total = torch.get_num_threads()
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        shared = await scheduler.run(threads, [None, None])
+    async with StepScheduler(cpu_devices(1)) as scheduler:
+        alone = await scheduler.run(threads, [None])
+    async with StepScheduler(cpu_devices(2), threads_per_worker=3) as scheduler:
+        chosen = await scheduler.run(threads, [None, None])
+    assert shared.outputs == (max(1, total // 2),) * 2
+    assert alone.outputs == (total,)
+    assert chosen.outputs == (3, 3)
+    assert torch.get_num_threads() == total  # the caller's own setting is untouched
+    with pytest.raises(ValueError, match="threads_per_worker"):
+        StepScheduler(cpu_devices(1), threads_per_worker=0)
