@@ -114,10 +114,12 @@ class Jobs:
             loss, metrics = loss_and_metrics(output, training=False)
         return Sums(items, float(loss) * items, {k: float(v) * items for k, v in metrics.items()})
 
-    def reduce(self, ctx: WorkerContext, work: tuple[float, bool]) -> tuple[float, bool]:
-        scale, want_norm = work
+    def reduce(self, ctx: WorkerContext, work: tuple[float, bool, bool]) -> tuple[float, bool]:
+        scale, want_norm, want_finite = work
         grads = [replica.grads for replica in self.replicas]
-        return reduce_scatter(grads, ctx.device.index, scale, want_norm=want_norm)
+        return reduce_scatter(
+            grads, ctx.device.index, scale, want_norm=want_norm, want_finite=want_finite
+        )
 
     def apply(self, ctx: WorkerContext, work: ApplyWork) -> float | None:
         """All-gather the reduced gradients, then take the optimizer step."""

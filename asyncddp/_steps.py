@@ -240,7 +240,8 @@ class Steps:
         want_norm = self.gradient_clip_val is not None
         finite, norm = True, 0.0
         if n > 1 or scale != 1.0 or want_norm or self._scaler is not None:
-            reduced = await self._run_all(jobs.reduce, (scale, want_norm), phase="reduce")
+            checks = (scale, want_norm, self._scaler is not None)
+            reduced = await self._run_all(jobs.reduce, checks, phase="reduce")
             norm = math.sqrt(sum(norm_sq for norm_sq, _ in reduced.outputs))
             finite = all(ok for _, ok in reduced.outputs)
         if self._scaler is not None:

@@ -19,6 +19,7 @@ step boundary between them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,12 +95,18 @@ class FlatGrads:
 
 
 def reduce_scatter(
-    replicas: Sequence[FlatGrads], index: int, scale: float, *, want_norm: bool
+    replicas: Sequence[FlatGrads],
+    index: int,
+    scale: float,
+    *,
+    want_norm: bool,
+    want_finite: bool = False,
 ) -> tuple[float, bool]:
     """Step 1 on worker ``index``: sum chunk ``index`` of every replica into its scratch.
 
     Returns the squared norm of the reduced chunk (0.0 unless ``want_norm``) and whether it is
-    all finite.
+    all finite (True unless ``want_finite``): each is one more pass over the chunk, so only
+    what clipping or loss scaling needs is computed.
     """
     own = replicas[index]
     norm_sq = 0.0
@@ -123,7 +130,10 @@ def reduce_scatter(
                 scratch.mul_(scale)
         if want_norm:
             norm_sq += float(torch.linalg.vector_norm(scratch, dtype=torch.float32) ** 2)
-        finite = finite and bool(torch.isfinite(scratch).all())
+        elif want_finite:
+            finite = finite and bool(torch.isfinite(scratch).all())
+    if want_norm:
+        finite = math.isfinite(norm_sq)  # an inf or NaN anywhere makes the norm one
     return norm_sq, finite
 
 

@@ -1,0 +1,183 @@
+"""Training throughput: asyncddp against a plain loop and DistributedDataParallel, same work.
+
+Run:  python bench/throughput.py            (a few minutes on 2 cores)
+      python bench/throughput.py --quick    (a smoke run)
+
+Every contender trains the same model on the same global batch (256) with SGD, using the same
+number of CPU threads in all (``torch.get_num_threads()``, all cores by default):
+
+- plain:      a single-process PyTorch loop (zero_grad, forward, backward, step);
+- asyncddp-1: ``Trainer`` on one device (its worker gets every thread): the overhead target;
+- asyncddp-N: ``Trainer`` on ``cpu_devices(N)``, the threads shared among the workers;
+- ddp-gloo-2: ``DistributedDataParallel`` over gloo, 2 processes on localhost, half the batch
+              and half the threads each.
+
+Each figure is the median of several rounds of training samples per second, rounds interleaved.
+Targets: asyncddp-2 >= 0.95x plain and >= 1.5x ddp-gloo-2; asyncddp-1 at most 3% slower than plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import multiprocessing
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import asyncddp
+
+BATCH = 256
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def convnet() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+    )  # fmt: skip
+
+
+WORKLOADS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "mlp 512-1024-10": (mlp, (512,)),
+    "convnet 32x32": (convnet, (3, 32, 32)),
+}
+
+
+def make_batches(shape: tuple[int, ...], steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(BATCH, *shape, generator=generator), torch.randint(0, 10, (BATCH,), generator=generator))
+        for _ in range(steps)
+    ]
+
+
+def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    inputs, targets = batch
+    return F.cross_entropy(model(inputs), targets)
+
+
+SGD = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
+
+
+def plain(make: Callable[[], nn.Module], batches: list[Any]) -> float:
+    torch.manual_seed(0)
+    model = make()
+    optimizer = SGD(model.parameters())
+    for batch in batches[:3]:  # warm-up
+        optimizer.zero_grad()
+        step(model, batch).backward()
+        optimizer.step()
+    start = time.perf_counter()
+    for batch in batches:
+        optimizer.zero_grad()
+        step(model, batch).backward()
+        optimizer.step()
+    return len(batches) * BATCH / (time.perf_counter() - start)
+
+
+async def with_asyncddp(make: Callable[[], nn.Module], batches: list[Any], devices: int) -> float:
+    torch.manual_seed(0)
+    trainer = asyncddp.Trainer(
+        make(), SGD, step, devices=asyncddp.cpu_devices(devices), progress_bar=False
+    )
+    await trainer.fit(batches[:3], epochs=1)  # warm-up: threads, replicas, first steps
+    result = await trainer.fit(batches, epochs=2)
+    # The epoch's own time: the loop over the batches, without the session's start and end.
+    return len(batches) * BATCH / result.history[-1].seconds
+
+
+def _ddp_rank(rank: int, port: int, threads: int, shape: tuple[int, ...], workload: str,
+              steps: int, results: Any) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(WORKLOADS[workload][0]())
+        optimizer = SGD(model.parameters())
+        batches = [(x[rank::2], y[rank::2]) for x, y in make_batches(shape, steps)]
+        for batch in batches[:3]:
+            optimizer.zero_grad()
+            step(model, batch).backward()
+            optimizer.step()
+        dist.barrier()
+        start = time.perf_counter()
+        for batch in batches:
+            optimizer.zero_grad()
+            step(model, batch).backward()
+            optimizer.step()
+        dist.barrier()
+        if rank == 0:
+            results.put(len(batches) * BATCH / (time.perf_counter() - start))
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_gloo(workload: str, shape: tuple[int, ...], steps: int, threads: int) -> float:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    ranks = [
+        context.Process(target=_ddp_rank, args=(rank, port, max(1, threads // 2), shape, workload, steps, results))
+        for rank in range(2)
+    ]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=600)
+        if process.exitcode != 0:
+            raise RuntimeError(f"a DDP rank failed with exit code {process.exitcode}")
+    return float(results.get(timeout=10))
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--no-ddp", action="store_true", help="skip the DDP baseline")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.rounds = 8, 1
+    threads = torch.get_num_threads()
+    print(f"samples/s, global batch {BATCH}, {threads} CPU threads in all, median of {args.rounds} "
+          f"rounds x {args.steps} steps (torch {torch.__version__}, {os.cpu_count()} CPUs)")
+    for name, (make, shape) in WORKLOADS.items():
+        batches = make_batches(shape, args.steps)
+        figures: dict[str, list[float]] = {"plain": [], "asyncddp-1": [], "asyncddp-2": [], "ddp-gloo-2": []}
+        for _ in range(args.rounds):
+            figures["plain"].append(plain(make, batches))
+            figures["asyncddp-1"].append(await with_asyncddp(make, batches, 1))
+            figures["asyncddp-2"].append(await with_asyncddp(make, batches, 2))
+            if not args.no_ddp:
+                figures["ddp-gloo-2"].append(ddp_gloo(name, shape, args.steps, threads))
+        median = {key: statistics.median(values) for key, values in figures.items() if values}
+        print(f"\n{name}")
+        for key, value in median.items():
+            print(f"  {key:<11} {value:>9.0f} samples/s  ({1e3 * BATCH / value:6.2f} ms/step)")
+        print(f"  asyncddp-2 / plain       {median['asyncddp-2'] / median['plain']:.2f}x  (target >= 0.95x)")
+        if "ddp-gloo-2" in median:
+            print(f"  asyncddp-2 / ddp-gloo-2  {median['asyncddp-2'] / median['ddp-gloo-2']:.2f}x  (target >= 1.5x)")
+        slower = median["plain"] / median["asyncddp-1"] - 1
+        print(f"  asyncddp-1 per step vs plain: {slower:+.1%}  (target <= +3%)")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
