@@ -60,6 +60,7 @@ class ApplyWork:
     scheduler_step: bool  # step the LR scheduler too
     apply_id: int  # tells this step from earlier ones when undoing
     unused: tuple[int, ...]  # parameters no device used in this step
+    in_place: bool = True  # the reduce-scatter summed in place (see _sync.reduce_scatter)
 
 
 class Jobs:
@@ -114,18 +115,27 @@ class Jobs:
             loss, metrics = loss_and_metrics(output, training=False)
         return Sums(items, float(loss) * items, {k: float(v) * items for k, v in metrics.items()})
 
-    def reduce(self, ctx: WorkerContext, work: tuple[float, bool, bool]) -> tuple[float, bool]:
-        scale, want_norm, want_finite = work
+    def reduce(
+        self, ctx: WorkerContext, work: tuple[float, bool, bool, bool]
+    ) -> tuple[float, bool]:
+        scale, want_norm, want_finite, in_place = work
         grads = [replica.grads for replica in self.replicas]
         return reduce_scatter(
-            grads, ctx.device.index, scale, want_norm=want_norm, want_finite=want_finite
+            grads,
+            ctx.device.index,
+            scale,
+            want_norm=want_norm,
+            want_finite=want_finite,
+            in_place=in_place,
         )
 
     def apply(self, ctx: WorkerContext, work: ApplyWork) -> float | None:
         """All-gather the reduced gradients, then take the optimizer step."""
         index = ctx.device.index
         replica = self.replicas[index]
-        all_gather([r.grads for r in self.replicas], index, work.coefficient)
+        all_gather(
+            [r.grads for r in self.replicas], index, work.coefficient, in_place=work.in_place
+        )
         if work.atomic:
             replica.backup.capture(replica.params, replica.optimizer, replica.scheduler)
         for unused in work.unused:
@@ -134,8 +144,9 @@ class Jobs:
         replica.optimizer.step()
         if work.scheduler_step and replica.scheduler is not None:
             replica.scheduler.step()
+        # The gradients stay until the next step's first forward zeroes them: others may still
+        # be reading this replica's reduced chunk (in-place all-gather) until this step ends.
         replica.grads.attach()
-        replica.grads.zero_()
         if index:
             # Buffers (BatchNorm statistics) follow the first replica, as DDP's
             # broadcast_buffers: the first replica's buffers are not written in this step.

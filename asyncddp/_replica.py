@@ -69,7 +69,10 @@ class Replica:
         self.grads = FlatGrads(self.params, parts, index)
 
     def open_window(self) -> None:
-        """Before a step's first forward: keep the buffers, forget which params were used."""
+        """Before a step's first forward: zero the gradients (the last step left them), keep
+        the buffers, forget which params were used."""
+        self.grads.attach()
+        self.grads.zero_()
         self.used = [False] * len(self.params)
         if not self.buffers:
             return

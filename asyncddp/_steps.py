@@ -240,7 +240,8 @@ class Steps:
         want_norm = self.gradient_clip_val is not None
         finite, norm = True, 0.0
         if n > 1 or scale != 1.0 or want_norm or self._scaler is not None:
-            checks = (scale, want_norm, self._scaler is not None)
+            # In place unless clipping, whose coefficient the all-gather applies.
+            checks = (scale, want_norm, self._scaler is not None, not want_norm)
             reduced = await self._run_all(jobs.reduce, checks, phase="reduce")
             norm = math.sqrt(sum(norm_sq for norm_sq, _ in reduced.outputs))
             finite = all(ok for _, ok in reduced.outputs)
@@ -262,6 +263,7 @@ class Steps:
             self.lr_scheduler_interval == "step",
             self._apply_id,
             unused,
+            in_place=not want_norm,
         )
         try:
             applied = await self._run_all(jobs.apply, work, phase="optimizer", shield=True)

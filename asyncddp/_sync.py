@@ -101,8 +101,15 @@ def reduce_scatter(
     *,
     want_norm: bool,
     want_finite: bool = False,
+    in_place: bool = True,
 ) -> tuple[float, bool]:
-    """Step 1 on worker ``index``: sum chunk ``index`` of every replica into its scratch.
+    """Step 1 on worker ``index``: sum chunk ``index`` of every replica.
+
+    ``in_place`` sums into this replica's own chunk, the fewest bytes moved; the all-gather
+    must then be in place too, and nobody may write a buffer until every worker has gathered
+    (the trainer zeroes gradients at the start of the next step, not at the end of this one).
+    Otherwise the sum goes to a scratch buffer, which the all-gather scales while it copies:
+    for clipping, whose coefficient is known only after this step.
 
     Returns the squared norm of the reduced chunk (0.0 unless ``want_norm``) and whether it is
     all finite (True unless ``want_finite``): each is one more pass over the chunk, so only
@@ -112,11 +119,15 @@ def reduce_scatter(
     norm_sq = 0.0
     finite = True
     for b, scratch in enumerate(own.scratch):
-        if len(replicas) == 1:
-            # One replica: reduce in place, no scratch copy.
-            scratch = own.buffers[b]
+        if len(replicas) == 1 or in_place:
+            target = own.chunk(b, index)
+            device = target.device
+            for owner, other in enumerate(replicas):
+                if owner != index:
+                    target.add_(other.chunk(b, index).to(device, non_blocking=True))
             if scale != 1.0:
-                scratch.mul_(scale)
+                target.mul_(scale)
+            scratch = target
         else:
             device = scratch.device
             torch.add(
@@ -137,17 +148,30 @@ def reduce_scatter(
     return norm_sq, finite
 
 
-def all_gather(replicas: Sequence[FlatGrads], index: int, coefficient: float) -> None:
-    """Step 2 on worker ``index``: fill its buffers from every owner's scratch, scaled."""
+def all_gather(
+    replicas: Sequence[FlatGrads], index: int, coefficient: float, *, in_place: bool = True
+) -> None:
+    """Step 2 on worker ``index``: fill its buffers from every owner's reduced chunk.
+
+    In place (see :func:`reduce_scatter`) it copies the other owners' chunks, which they
+    reduced in their own buffers; otherwise it copies every owner's scratch, times
+    ``coefficient``.
+    """
     own = replicas[index]
     if len(replicas) == 1:
         if coefficient != 1.0:
             for buffer in own.buffers:
                 buffer.mul_(coefficient)
         return
+    if in_place and coefficient != 1.0:
+        raise ValueError("an in-place all-gather cannot scale; reduce to scratch to clip")
     for b in range(len(own.buffers)):
         for owner, replica in enumerate(replicas):
             target = own.chunk(b, owner)
+            if in_place:
+                if owner != index:
+                    target.copy_(replica.chunk(b, owner).to(target.device, non_blocking=True))
+                continue
             source = replica.scratch[b].to(target.device, non_blocking=True)
             if coefficient != 1.0:
                 torch.mul(source, coefficient, out=target)

@@ -59,7 +59,10 @@ WORKLOADS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
 def make_batches(shape: tuple[int, ...], steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     return [
-        (torch.randn(BATCH, *shape, generator=generator), torch.randint(0, 10, (BATCH,), generator=generator))
+        (
+            torch.randn(BATCH, *shape, generator=generator),
+            torch.randint(0, 10, (BATCH,), generator=generator),
+        )
         for _ in range(steps)
     ]
 
@@ -99,8 +102,15 @@ async def with_asyncddp(make: Callable[[], nn.Module], batches: list[Any], devic
     return len(batches) * BATCH / result.history[-1].seconds
 
 
-def _ddp_rank(rank: int, port: int, threads: int, shape: tuple[int, ...], workload: str,
-              steps: int, results: Any) -> None:
+def _ddp_rank(
+    rank: int,
+    port: int,
+    threads: int,
+    shape: tuple[int, ...],
+    workload: str,
+    steps: int,
+    results: Any,
+) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -135,7 +145,10 @@ def ddp_gloo(workload: str, shape: tuple[int, ...], steps: int, threads: int) ->
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     ranks = [
-        context.Process(target=_ddp_rank, args=(rank, port, max(1, threads // 2), shape, workload, steps, results))
+        context.Process(
+            target=_ddp_rank,
+            args=(rank, port, max(1, threads // 2), shape, workload, steps, results),
+        )
         for rank in range(2)
     ]
     for process in ranks:
@@ -157,11 +170,18 @@ async def main() -> None:
     if args.quick:
         args.steps, args.rounds = 8, 1
     threads = torch.get_num_threads()
-    print(f"samples/s, global batch {BATCH}, {threads} CPU threads in all, median of {args.rounds} "
-          f"rounds x {args.steps} steps (torch {torch.__version__}, {os.cpu_count()} CPUs)")
+    print(
+        f"samples/s, global batch {BATCH}, {threads} CPU threads in all, median of {args.rounds} "
+        f"rounds x {args.steps} steps (torch {torch.__version__}, {os.cpu_count()} CPUs)"
+    )
     for name, (make, shape) in WORKLOADS.items():
         batches = make_batches(shape, args.steps)
-        figures: dict[str, list[float]] = {"plain": [], "asyncddp-1": [], "asyncddp-2": [], "ddp-gloo-2": []}
+        figures: dict[str, list[float]] = {
+            "plain": [],
+            "asyncddp-1": [],
+            "asyncddp-2": [],
+            "ddp-gloo-2": [],
+        }
         for _ in range(args.rounds):
             figures["plain"].append(plain(make, batches))
             figures["asyncddp-1"].append(await with_asyncddp(make, batches, 1))
@@ -172,9 +192,13 @@ async def main() -> None:
         print(f"\n{name}")
         for key, value in median.items():
             print(f"  {key:<11} {value:>9.0f} samples/s  ({1e3 * BATCH / value:6.2f} ms/step)")
-        print(f"  asyncddp-2 / plain       {median['asyncddp-2'] / median['plain']:.2f}x  (target >= 0.95x)")
+        print(
+            f"  asyncddp-2 / plain       {median['asyncddp-2'] / median['plain']:.2f}x  (target >= 0.95x)"
+        )
         if "ddp-gloo-2" in median:
-            print(f"  asyncddp-2 / ddp-gloo-2  {median['asyncddp-2'] / median['ddp-gloo-2']:.2f}x  (target >= 1.5x)")
+            print(
+                f"  asyncddp-2 / ddp-gloo-2  {median['asyncddp-2'] / median['ddp-gloo-2']:.2f}x  (target >= 1.5x)"
+            )
         slower = median["plain"] / median["asyncddp-1"] - 1
         print(f"  asyncddp-1 per step vs plain: {slower:+.1%}  (target <= +3%)")
 
