@@ -80,6 +80,9 @@ async def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.steps, args.epochs = 10, 1
+    # The first optimizer a process builds imports torch._dynamo, holding the GIL for up to
+    # ~130 ms at a time (see docs/services.md): pay it before measuring, as a service would.
+    torch.optim.SGD(torch.nn.Linear(1, 1).parameters())
     batches = make_batches((512,), args.steps)
     print(f"lag of a 1 ms ticker, {args.epochs} epochs x {args.steps} steps of the MLP, batch 256")
     ours = await beside(train_asyncddp(batches, args.epochs), args.steps)

@@ -91,11 +91,13 @@ def plain(make: Callable[[], nn.Module], batches: list[Any]) -> float:
     return len(batches) * BATCH / (time.perf_counter() - start)
 
 
-async def with_asyncddp(make: Callable[[], nn.Module], batches: list[Any], devices: int) -> float:
+async def with_asyncddp(
+    make: Callable[[], nn.Module], batches: list[Any], devices: asyncddp.DeviceSpec
+) -> float:
+    """Samples per second; an int is that many CPU workers, anything else a device spec."""
     torch.manual_seed(0)
-    trainer = asyncddp.Trainer(
-        make(), SGD, step, devices=asyncddp.cpu_devices(devices), progress_bar=False
-    )
+    spec = asyncddp.cpu_devices(devices) if isinstance(devices, int) else devices
+    trainer = asyncddp.Trainer(make(), SGD, step, devices=spec, progress_bar=False)
     await trainer.fit(batches[:3], epochs=1)  # warm-up: threads, replicas, first steps
     result = await trainer.fit(batches, epochs=2)
     # The epoch's own time: the loop over the batches, without the session's start and end.
