@@ -42,6 +42,7 @@ from ._exceptions import ConfigurationError as ConfigurationError
 from ._exceptions import DataError as DataError
 from ._exceptions import DeviceError as DeviceError
 from ._exceptions import DeviceTypeError as DeviceTypeError
+from ._exceptions import NonFiniteLossError as NonFiniteLossError
 from ._exceptions import SchedulerClosedError as SchedulerClosedError
 from ._exceptions import ShardError as ShardError
 from ._exceptions import StepOutputError as StepOutputError
@@ -56,6 +57,7 @@ from ._trainer import EpochRecord as EpochRecord
 from ._trainer import FitResult as FitResult
 from ._trainer import Trainer as Trainer
 from ._worker import WorkerContext as WorkerContext
+from ._worker import current_worker as current_worker
 
 __version__ = "0.1.0.dev0"
 
@@ -78,6 +80,7 @@ __all__ = [
     "FitEnded",
     "FitResult",
     "FitStarted",
+    "NonFiniteLossError",
     "Progress",
     "ProgressTracker",
     "SchedulerClosedError",
@@ -95,6 +98,7 @@ __all__ = [
     "WorkerTimeoutError",
     "__version__",
     "cpu_devices",
+    "current_worker",
     "resolve_devices",
 ]
 

@@ -14,7 +14,8 @@ keeps working::
     ├── CheckpointError                     a checkpoint that cannot be read
     ├── SchedulerClosedError (RuntimeError) a scheduler used outside ``async with``
     └── WorkerFailedError                   a device's job raised
-        └── WorkerTimeoutError              a device's job did not finish in time
+        ├── WorkerTimeoutError              a device's job did not finish in time
+        └── NonFiniteLossError              a device's loss was NaN or infinite
 
 A :class:`WorkerFailedError` keeps the original exception object as ``__cause__`` (type,
 attributes and traceback intact) and stores only numbers, strings and :class:`Device` values
@@ -38,6 +39,7 @@ __all__ = [
     "DataError",
     "DeviceError",
     "DeviceTypeError",
+    "NonFiniteLossError",
     "SchedulerClosedError",
     "ShardError",
     "StepOutputError",
@@ -223,6 +225,25 @@ class WorkerTimeoutError(WorkerFailedError):
 
     def _fields(self) -> dict[str, Any]:
         return {**super()._fields(), "timeout": self.timeout}
+
+
+class NonFiniteLossError(WorkerFailedError):
+    """A device's loss was NaN or infinite, with ``Trainer(check_finite=True)``.
+
+    Raised before that device's backward pass; the step changed no parameter on any replica.
+
+    Attributes:
+        loss: The loss value the device computed.
+    """
+
+    def __init__(self, *, loss: float, **fields: Any) -> None:
+        self.loss = loss
+        fields.setdefault("error_type", "")
+        fields.setdefault("error_message", f"the loss is {loss} (check_finite=True)")
+        super().__init__(**fields)
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "loss": self.loss}
 
 
 def _message(exc: BaseException) -> str:

@@ -7,6 +7,7 @@ never on the event loop. The trainer hands them to :meth:`StepScheduler.run`.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,15 @@ from ._replica import Replica, StepFunction, loss_and_metrics
 from ._sync import all_gather, reduce_scatter
 from ._worker import WorkerContext
 
-__all__ = ["ApplyWork", "Jobs", "Sums", "TrainWork"]
+__all__ = ["ApplyWork", "Jobs", "NonFiniteLoss", "Sums", "TrainWork"]
+
+
+class NonFiniteLoss(Exception):
+    """Raised in a worker for a NaN or infinite loss; the trainer makes it a NonFiniteLossError."""
+
+    def __init__(self, loss: float) -> None:
+        super().__init__(f"the loss is {loss}")
+        self.loss = loss
 
 
 @dataclass
@@ -72,11 +81,13 @@ class Jobs:
         step: StepFunction,
         valid_step: StepFunction,
         autocast: torch.dtype | None,
+        check_finite: bool = False,
     ) -> None:
         self.replicas = replicas
         self.step = step
         self.valid_step = valid_step
         self.autocast = autocast
+        self.check_finite = check_finite
 
     def _forward(self, fn: StepFunction, replica: Replica, shard: Any, ctx: WorkerContext) -> Any:
         batch = move_to(shard, ctx.torch_device, non_blocking=True)
@@ -94,13 +105,16 @@ class Jobs:
             return Sums()
         output = self._forward(self.step, replica, work.shard, ctx)
         loss, metrics = loss_and_metrics(output, training=True)
+        # Host-device sync point: the loss comes back as a Python float.
+        value = float(loss.detach())
+        if self.check_finite and not math.isfinite(value):
+            raise NonFiniteLoss(value)  # before backward: this device adds no gradient
         (loss * work.weight if work.weight != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
         replica.grads.attach()  # in case the step replaced a .grad
         items = work.items
-        # Host-device sync point: the loss comes back as a Python float.
         return Sums(
             items,
-            float(loss.detach()) * items,
+            value * items,
             {k: float(v) * items for k, v in metrics.items()},
             replica.used_mask(),
         )

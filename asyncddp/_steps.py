@@ -24,8 +24,13 @@ from typing import Any
 from ._data import items_in, split_batch
 from ._devices import Device, resolve_devices
 from ._events import DeviceDropped, EventHub, StepRetried, WorkerFailed
-from ._exceptions import StepOutputError, WorkerFailedError, WorkerTimeoutError
-from ._jobs import ApplyWork, Jobs, Sums, TrainWork
+from ._exceptions import (
+    NonFiniteLossError,
+    StepOutputError,
+    WorkerFailedError,
+    WorkerTimeoutError,
+)
+from ._jobs import ApplyWork, Jobs, NonFiniteLoss, Sums, TrainWork
 from ._precision import LossScaler
 from ._replica import Replica
 from ._scheduler import StepScheduler
@@ -149,6 +154,15 @@ class Steps:
         if isinstance(error.__cause__, StepOutputError):
             await self._abandon_quietly()
             raise error.__cause__ from None  # a mistake in the step, not a device fault
+        if isinstance(error.__cause__, NonFiniteLoss):
+            await self._abandon_quietly()
+            raise NonFiniteLossError(
+                loss=error.__cause__.loss,
+                device=error.device,
+                step=error.step,
+                epoch=error.epoch,
+                phase=error.phase,
+            ) from error.__cause__
         failed = {error.device.name, *(f.device.name for f in error.other_failures)}
         action = self._next_action(failed, attempt)
         self._hub.publish(

@@ -129,6 +129,8 @@ class Trainer(Resumable):
         prefetch: Batches loaded ahead of training, on the loader thread.
         threads_per_worker: Intra-op threads for each CPU worker; by default the process's
             ``torch.get_num_threads()`` shared out among the CPU workers.
+        check_finite: Raise :class:`NonFiniteLossError`, naming the device and step, when a
+            device's loss is NaN or infinite (costs nothing: the loss is read anyway).
     """
 
     def __init__(
@@ -154,6 +156,7 @@ class Trainer(Resumable):
         pin_memory: bool | None = None,
         prefetch: int = 2,
         threads_per_worker: int | None = None,
+        check_finite: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -196,6 +199,7 @@ class Trainer(Resumable):
         self.pin_memory = any(d.is_cuda for d in self.devices) if pin_memory is None else pin_memory
         self.prefetch = prefetch
         self.threads_per_worker = threads_per_worker
+        self.check_finite = check_finite
         #: Epochs completed so far; the next epoch's number.
         self.epoch = 0
         #: Optimizer steps taken so far.
@@ -451,7 +455,9 @@ class Trainer(Resumable):
         )
 
     def _jobs(self) -> Jobs:
-        return Jobs(self._replicas, self._step_fn, self._valid_step_fn, self._autocast)
+        return Jobs(
+            self._replicas, self._step_fn, self._valid_step_fn, self._autocast, self.check_finite
+        )
 
 
 def _check(condition: bool, message: str) -> None:

@@ -26,7 +26,7 @@ import torch
 
 from ._devices import Device
 
-__all__ = ["CallerState", "DeviceWorker", "WorkerContext"]
+__all__ = ["CallerState", "DeviceWorker", "WorkerContext", "current_worker"]
 
 _log = logging.getLogger("asyncddp")
 
@@ -54,6 +54,19 @@ class WorkerContext:
     def torch_device(self) -> torch.device:
         """Where to put this device's tensors."""
         return self.device.torch_device
+
+
+_running = threading.local()
+
+
+def current_worker() -> WorkerContext | None:
+    """The :class:`WorkerContext` of the job running in this thread, or ``None`` outside one.
+
+    A trainer's step function gets only ``(model, batch)``; this tells it which device and
+    step it runs for (``asyncddp.testing`` uses it to inject faults on one device).
+    """
+    ctx: WorkerContext | None = getattr(_running, "ctx", None)
+    return ctx
 
 
 class CallerState(NamedTuple):
@@ -139,11 +152,15 @@ class DeviceWorker:
         # Grad mode and autocast are thread-local; reset them for every job so one job's
         # leftovers never leak into the next.
         torch.set_grad_enabled(state.grad_enabled)
-        if state.autocast_enabled:
-            with torch.autocast(self.device.type, dtype=state.autocast_dtype):
+        _running.ctx = args[0] if args and isinstance(args[0], WorkerContext) else None
+        try:
+            if state.autocast_enabled:
+                with torch.autocast(self.device.type, dtype=state.autocast_dtype):
+                    result = context.run(fn, *args)
+            else:
                 result = context.run(fn, *args)
-        else:
-            result = context.run(fn, *args)
+        finally:
+            _running.ctx = None
         if self.stream is not None:
             # Host-device sync point: the job is done only when its kernels are.
             self.stream.synchronize()

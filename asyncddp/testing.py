@@ -2,9 +2,11 @@
 
 - :func:`cpu_devices` gives several workers that compute on the CPU, so the real multi-device
   code paths run in CI.
-- :func:`fail_on` wraps a job so that it raises on a chosen device (and step).
-- :func:`hang_on` wraps a job so that it blocks on a chosen device until released, to test
-  ``step_timeout`` and cancellation.
+- :func:`fail_on` and :func:`hang_on` wrap a :class:`StepScheduler` job so that it raises, or
+  blocks until released, on a chosen device (and step).
+- :func:`failing_step`, :func:`hanging_step` and :func:`failing_optimizer` do the same to a
+  :class:`Trainer`'s step function or optimizer: a fault in the forward pass, the backward pass,
+  a metric, or the optimizer step, on one device, at one step.
 - :func:`asyncddp_threads` lists the worker threads still alive, for a leak check.
 """
 
@@ -12,12 +14,23 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, Literal, TypeVar
+
+import torch
 
 from ._devices import cpu_devices
-from ._worker import WorkerContext
+from ._worker import WorkerContext, current_worker
 
-__all__ = ["InjectedFailure", "asyncddp_threads", "cpu_devices", "fail_on", "hang_on"]
+__all__ = [
+    "InjectedFailure",
+    "asyncddp_threads",
+    "cpu_devices",
+    "fail_on",
+    "failing_optimizer",
+    "failing_step",
+    "hang_on",
+    "hanging_step",
+]
 
 S = TypeVar("S")
 T = TypeVar("T")
@@ -94,6 +107,123 @@ def hang_on(
         return job(ctx, shard)
 
     return hanging
+
+
+def _here(device: int | str, step: int | None) -> WorkerContext | None:
+    """The running job's context if it is on ``device`` (index or name) at ``step``."""
+    ctx = current_worker()
+    if ctx is None:
+        return None
+    on_device = ctx.device.index == device if isinstance(device, int) else ctx.device.name == device
+    return ctx if on_device and (step is None or ctx.step == step) else None
+
+
+def _injected_failure(ctx: WorkerContext, where: str) -> InjectedFailure:
+    return InjectedFailure(
+        f"injected failure in the {where} on {ctx.device.name} at step {ctx.step}",
+        device_index=ctx.device.index,
+        step=ctx.step,
+    )
+
+
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, error: BaseException) -> torch.Tensor:
+        ctx.error = error
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        raise ctx.error
+
+
+def failing_step(
+    step: Callable[[Any, Any], Any],
+    *,
+    device: int | str,
+    at: int | None = None,
+    where: Literal["forward", "backward", "metric"] = "forward",
+    error: BaseException | None = None,
+) -> Callable[[Any, Any], Any]:
+    """Wrap a trainer's ``step(model, batch)`` so that it fails on one device.
+
+    Args:
+        step: The step to wrap.
+        device: The device, by index (``1``) or name (``"cpu#1"``).
+        at: The optimizer step at which it fails; ``None`` fails at every step.
+        where: ``"forward"`` raises before returning; ``"backward"`` returns a loss whose
+            backward pass raises; ``"metric"`` raises while computing a metric, after the loss.
+        error: What to raise; by default an :class:`InjectedFailure`.
+    """
+
+    def failing(model: Any, batch: Any) -> Any:
+        ctx = _here(device, at)
+        if ctx is None:
+            return step(model, batch)
+        failure = error if error is not None else _injected_failure(ctx, where)
+        if where == "forward":
+            raise failure
+        output = step(model, batch)
+        if where == "backward":
+            loss = output["loss"] if isinstance(output, dict) else output
+            loss = _FailInBackward.apply(loss, failure)  # type: ignore[no-untyped-call]
+            return {**output, "loss": loss} if isinstance(output, dict) else loss
+        raise failure  # "metric": the loss was computed, a metric was not
+
+    return failing
+
+
+def hanging_step(
+    step: Callable[[Any, Any], Any],
+    *,
+    device: int | str,
+    release: threading.Event,
+    at: int | None = None,
+    limit: float = 60.0,
+) -> Callable[[Any, Any], Any]:
+    """Wrap a trainer's step so that it blocks on one device until ``release`` is set.
+
+    It blocks for ``limit`` seconds at most, so that a test that forgets to release it ends.
+    """
+
+    def hanging(model: Any, batch: Any) -> Any:
+        if _here(device, at) is not None:
+            release.wait(limit)
+        return step(model, batch)
+
+    return hanging
+
+
+def failing_optimizer(
+    factory: Callable[[Any], torch.optim.Optimizer],
+    *,
+    device: int | str,
+    at: int | None = None,
+    after_update: bool = True,
+    error: BaseException | None = None,
+) -> Callable[[Any], torch.optim.Optimizer]:
+    """Wrap an optimizer factory so that ``step()`` fails on one device, at one step.
+
+    With ``after_update`` (the default) the optimizer first updates the parameters, then
+    raises: the worst case, a half-done step that must be undone.
+    """
+
+    def make(params: Any) -> torch.optim.Optimizer:
+        optimizer = factory(params)
+        original = optimizer.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            ctx = _here(device, at)
+            if ctx is None:
+                return original(*args, **kwargs)
+            if after_update:
+                original(*args, **kwargs)
+            raise error if error is not None else _injected_failure(ctx, "optimizer step")
+
+        optimizer.step = step  # type: ignore[method-assign]
+        return optimizer
+
+    return make
 
 
 def asyncddp_threads() -> list[threading.Thread]:

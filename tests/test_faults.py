@@ -1,0 +1,250 @@
+"""Fault injection over the Trainer: every failure becomes a clear error naming its device and
+step, nothing hangs or leaks, no step is half-applied, and the trainer works afterwards.
+
+Each case injects one fault (with the helpers in ``asyncddp.testing``) at one step on some of
+the devices, checks the error, checks that the parameters are exactly those of a plain loop run
+up to the step before, then disarms the fault and checks that the same trainer finishes the run
+with the same parameters as a plain loop that never failed. The autouse fixture in conftest.py
+fails any case that leaves a worker thread alive.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import asyncddp
+from asyncddp import NonFiniteLossError, Trainer, WorkerFailedError, WorkerTimeoutError, cpu_devices
+from asyncddp.testing import InjectedFailure, failing_optimizer, failing_step, hanging_step
+
+pytestmark = pytest.mark.anyio
+
+FEATURES = 5
+STEPS = 6
+SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+
+#: Every fault tried, for the summary conftest.py prints at the end of the run.
+TRIED: list[str] = []
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def make_batches(count: int, size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randn(size, FEATURES, generator=generator),
+            torch.randint(0, 3, (size,), generator=generator),
+        )
+        for _ in range(count)
+    ]
+
+
+def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+    inputs, targets = batch
+    logits = model(inputs)
+    return {
+        "loss": F.cross_entropy(logits, targets),
+        "accuracy": (logits.argmax(1) == targets).float().mean(),
+    }
+
+
+def plain_loop(groups: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> nn.Module:
+    """One device given each step's whole data (one batch, or the batches of every device)."""
+    model = make_model()
+    optimizer = SGD(model.parameters())
+    for group in groups:
+        inputs = torch.cat([b[0] for b in group])
+        targets = torch.cat([b[1] for b in group])
+        optimizer.zero_grad()
+        step(model, (inputs, targets))["loss"].backward()
+        optimizer.step()
+    return model
+
+
+def assert_params(trainer: Trainer, expected: nn.Module) -> None:
+    for replica in trainer._replicas:
+        for (name, value), want in zip(
+            replica.model.state_dict().items(), expected.state_dict().values(), strict=True
+        ):
+            torch.testing.assert_close(
+                value, want, rtol=1e-5, atol=1e-5, msg=f"{name} on {replica.device}"
+            )
+
+
+class Armed:
+    """Calls the faulty function until disarmed, then the clean one."""
+
+    def __init__(self, faulty: Callable[..., Any], clean: Callable[..., Any]) -> None:
+        self.faulty, self.clean, self.armed = faulty, clean, True
+
+    def __call__(self, *args: Any) -> Any:
+        return (self.faulty if self.armed else self.clean)(*args)
+
+
+def inject(fn: Callable[..., Any], devices: list[int], **kwargs: Any) -> Callable[..., Any]:
+    for device in devices:
+        fn = failing_step(fn, device=device, **kwargs)
+    return fn
+
+
+WHERE = ["forward", "backward", "metric", "optimizer", "data", "validation"]
+WHEN = {"first": 0, "middle": 3}
+WHICH = {"1 of 2": (2, [1]), "1 of 8": (8, [5]), "all of 2": (2, [0, 1])}
+
+
+@pytest.mark.parametrize("which", list(WHICH))
+@pytest.mark.parametrize("when", list(WHEN))
+@pytest.mark.parametrize("where", WHERE)
+async def test_fault(where: str, when: str, which: str) -> None:
+    count, failing = WHICH[which]
+    at = WHEN[when]
+    split = where != "data"  # a bad data shard: each device gets whole batches of its own
+    batches = make_batches(STEPS if split else STEPS * count)
+    groups = (
+        [[b] for b in batches]
+        if split
+        else [batches[i : i + count] for i in range(0, len(batches), count)]
+    )
+    step_fn: Callable[..., Any] = step
+    valid_step: Callable[..., Any] | None = None
+    optimizer: Callable[..., Any] = SGD
+    data: list[Any] = batches
+    if where in ("forward", "backward", "metric"):
+        step_fn = Armed(inject(step, failing, at=at, where=where), step)
+    elif where == "optimizer":
+        faulty = SGD
+        for device in failing:
+            faulty = failing_optimizer(faulty, device=device, at=at)
+        optimizer = faulty
+    elif where == "data":
+        data = list(batches)
+        for device in failing:  # a shard the model cannot take: wrong feature count
+            bad = at * count + device
+            data[bad] = (torch.randn(16, FEATURES + 1), data[bad][1])
+    elif where == "validation":
+        valid_step = Armed(inject(step, failing), step)
+    trainer = Trainer(
+        make_model(),
+        optimizer,
+        step_fn,
+        devices=cpu_devices(count),
+        valid_step=valid_step,
+        split_batches=split,
+        progress_bar=False,
+    )
+    with pytest.raises(WorkerFailedError) as info:
+        await trainer.fit(data, epochs=1, valid_data=batches[:2] if where == "validation" else None)
+    error = info.value
+    expected_names = {f"cpu#{d}" for d in failing}
+    assert error.device.name in expected_names
+    assert {error.device.name, *(f.device.name for f in error.other_failures)} <= expected_names
+    if where == "validation":
+        assert error.phase == "valid"
+        done = STEPS  # validation runs after the epoch's last step
+    else:
+        assert error.phase == ("optimizer" if where == "optimizer" else "train")
+        assert error.step == at
+        done = at
+    if where not in ("data",):
+        assert isinstance(error.__cause__, InjectedFailure)
+    assert trainer.global_step == done
+    assert_params(trainer, plain_loop(groups[:done]))  # nothing of the failed step remains
+    # The cause gone, the same trainer finishes the run as if nothing had failed.
+    if isinstance(step_fn, Armed):
+        step_fn.armed = False
+    if isinstance(valid_step, Armed):
+        valid_step.armed = False
+    if where == "optimizer":
+        for replica in trainer._replicas:
+            replica.optimizer.step = functools.partial(torch.optim.SGD.step, replica.optimizer)  # type: ignore[method-assign]
+    await trainer.fit(batches, epochs=1, valid_data=batches[:2] if where == "validation" else None)
+    assert trainer.epoch == 1
+    assert_params(trainer, plain_loop(groups))
+    TRIED.append(f"{where}/{when}/{which}")
+
+
+async def test_a_hung_device_times_out_and_the_trainer_recovers() -> None:
+    release = threading.Event()
+    batches = make_batches(STEPS)
+    # The hung job lets go after 1 s, within the 10 s that closing waits for running jobs.
+    hang = Armed(hanging_step(step, device=1, at=2, release=release, limit=1.0), step)
+    trainer = Trainer(
+        make_model(), SGD, hang, devices=cpu_devices(2), step_timeout=0.3, progress_bar=False
+    )
+    try:
+        with pytest.raises(WorkerTimeoutError) as info:
+            await trainer.fit(batches, epochs=1)
+    finally:
+        release.set()
+    assert info.value.device.name == "cpu#1"
+    assert info.value.step == 2
+    assert trainer.global_step == 2
+    hang.armed = False
+    await trainer.fit(batches, epochs=1)
+    assert_params(trainer, plain_loop([[b] for b in batches]))
+    TRIED.append("hang/middle/1 of 2")
+
+
+async def test_keyboard_interrupt_in_a_worker_reaches_the_caller() -> None:
+    batches = make_batches(STEPS)
+    interrupt = Armed(failing_step(step, device=0, at=3, error=KeyboardInterrupt()), step)
+    trainer = Trainer(make_model(), SGD, interrupt, devices=cpu_devices(2), progress_bar=False)
+    with pytest.raises(KeyboardInterrupt):
+        await trainer.fit(batches, epochs=1)
+    assert trainer.global_step == 3
+    assert_params(trainer, plain_loop([[b] for b in batches[:3]]))
+    interrupt.armed = False
+    await trainer.fit(batches, epochs=1)
+    assert_params(trainer, plain_loop([[b] for b in batches]))
+    TRIED.append("KeyboardInterrupt/middle/1 of 2")
+
+
+async def test_a_non_finite_loss_names_its_device_and_step() -> None:
+    batches = make_batches(STEPS)
+
+    def nan_on_cpu1_at_4(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        output = step(model, batch)
+        ctx = asyncddp.current_worker()
+        if ctx is not None and ctx.device.name == "cpu#1" and ctx.step == 4:
+            output["loss"] = output["loss"] * float("nan")
+        return output
+
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        nan_on_cpu1_at_4,
+        devices=cpu_devices(2),
+        check_finite=True,
+        progress_bar=False,
+    )
+    with pytest.raises(NonFiniteLossError) as info:
+        await trainer.fit(batches, epochs=1)
+    assert info.value.device.name == "cpu#1"
+    assert info.value.step == 4
+    assert str(info.value).startswith("training worker on device cpu#1 failed: the loss is nan")
+    assert trainer.global_step == 4
+    assert_params(trainer, plain_loop([[b] for b in batches[:4]]))
+    TRIED.append("non-finite loss/middle/1 of 2")
+
+
+async def test_without_check_finite_a_nan_loss_trains_on() -> None:
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        lambda m, b: step(m, b)["loss"] * float("nan"),
+        devices=cpu_devices(2),
+        progress_bar=False,
+    )
+    result = await trainer.fit(make_batches(2), epochs=1)  # as a plain loop would
+    assert result.global_step == 2
