@@ -1,0 +1,366 @@
+"""Load, concurrency, crashes while writing, and fuzzed input."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import asyncddp
+from asyncddp import Trainer, cpu_devices
+from asyncddp._data import items_in, split_batch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 2))
+
+
+def make_batches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(9, 6, generator=generator), torch.randn(9, 2, generator=generator))
+        for _ in range(5)
+    ]
+
+
+def mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.mse_loss(model(batch[0]), batch[1])
+
+
+ADAM = functools.partial(torch.optim.Adam, lr=0.01)
+
+
+@pytest.mark.anyio
+async def test_eight_trainers_at_once_end_as_if_run_one_after_another() -> None:
+    async def train(seed: int) -> dict[str, torch.Tensor]:
+        trainer = Trainer(make_model(seed), ADAM, mse, devices=cpu_devices(2), progress_bar=False)
+        await trainer.fit(make_batches(seed), epochs=3)
+        return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+    sequential = [await train(seed) for seed in range(8)]
+    concurrent: dict[int, dict[str, torch.Tensor]] = {}
+
+    async def run(seed: int) -> None:
+        concurrent[seed] = await train(seed)
+
+    async with anyio.create_task_group() as group:
+        for seed in range(8):
+            group.start_soon(run, seed)
+    for seed in range(8):
+        for name, value in sequential[seed].items():
+            torch.testing.assert_close(concurrent[seed][name], value, rtol=1e-6, atol=1e-6)
+    print("8 trainers x 2 workers at once: parameters equal to 8 sequential runs")
+
+
+@pytest.mark.anyio
+async def test_a_long_run_keeps_threads_and_event_buffers_flat() -> None:
+    batches = [(torch.randn(8, 6), torch.randn(8, 2)) for _ in range(500)]
+    trainer = Trainer(make_model(0), ADAM, mse, devices=cpu_devices(4), progress_bar=False)
+    stream = trainer.events(maxlen=50)  # nobody reads it
+    threads_before = len(asyncddp.testing.asyncddp_threads())
+    await trainer.fit(batches, epochs=4)  # 2,000 steps
+    assert len(asyncddp.testing.asyncddp_threads()) == threads_before
+    assert len(stream._queue) == 50
+    assert stream.dropped == 2006 - 50  # FitStarted, 2,000 steps, 4 EpochEnded, FitEnded
+    del stream
+
+
+WRITER = textwrap.dedent(
+    """
+    import asyncio, functools, sys, torch, asyncddp
+    path = sys.argv[1]
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(12)])  # ~50 MB
+    trainer = asyncddp.Trainer(model, functools.partial(torch.optim.SGD, lr=0.1),
+                               lambda m, b: m(b).sum(), devices=asyncddp.cpu_devices(1),
+                               progress_bar=False)
+    async def main():
+        while True:
+            print("writing", flush=True)
+            await trainer.save_checkpoint(path)
+    asyncio.run(main())
+    """
+)
+
+
+def test_a_process_killed_while_writing_leaves_the_previous_checkpoint_whole(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "model.ckpt"
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    killed_mid_write = 0
+    for attempt in range(3):
+        with subprocess.Popen(
+            [sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True
+        ) as process:
+            assert process.stdout is not None
+            writes = 0
+            while writes < 2 + attempt:  # let it finish a checkpoint, then start another
+                line = process.stdout.readline()
+                assert line, "the writer died on its own"
+                writes += line.startswith("writing")
+            time.sleep(0.05 * attempt)  # somewhere inside the next write
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+        killed_mid_write += any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+        state = asyncddp._checkpoint.load(path)  # whole and loadable, whatever was cut short
+        assert state["format"] == "asyncddp-checkpoint"
+        assert len(state["model"]) == 24
+    assert killed_mid_write >= 1, "no kill landed inside a write; the test proved nothing"
+
+
+def test_a_truncated_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    path = asyncddp._checkpoint.save({"model": {"w": torch.zeros(1000)}}, tmp_path / "a.ckpt")
+    data = path.read_bytes()
+    for cut in (0, 10, len(data) // 3, len(data) - 1):
+        (tmp_path / "cut.ckpt").write_bytes(data[:cut])
+        with pytest.raises(asyncddp.CheckpointError, match="truncated or corrupt"):
+            asyncddp._checkpoint.load(tmp_path / "cut.ckpt")
+
+
+# -- fuzzed batch splitting ------------------------------------------------------------------
+
+leaves = st.sampled_from(["tensor", "scalar", "string", "none"])
+
+
+@st.composite
+def batches(draw: Any) -> tuple[Any, int]:
+    size = draw(st.integers(0, 40))
+
+    def leaf(kind: str) -> Any:
+        if kind == "tensor":
+            width = draw(st.integers(1, 3))
+            return torch.arange(size * width, dtype=torch.float32).reshape(size, width)
+        return {"scalar": torch.tensor(3.0), "string": "meta", "none": None}[kind]
+
+    shape = draw(
+        st.recursive(
+            leaves,
+            lambda inner: (
+                st.lists(inner, min_size=1, max_size=3)
+                | st.dictionaries(st.sampled_from("abc"), inner, min_size=1)
+            ),
+            max_leaves=6,
+        )
+    )
+    first = [True]
+
+    def build(node: Any) -> Any:
+        if isinstance(node, list):
+            return tuple(build(child) for child in node)
+        if isinstance(node, dict):
+            return {key: build(child) for key, child in node.items()}
+        if first[0]:
+            first[0] = False
+            return leaf("tensor")  # at least one tensor with a batch dimension
+        return leaf(node)
+
+    return build(shape), size
+
+
+def flat(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [x for key in sorted(value) for x in flat(value[key])]
+    if isinstance(value, (tuple, list)):
+        return [x for child in value for x in flat(child)]
+    return [value]
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches(), st.integers(1, 9))
+def test_splitting_any_batch_keeps_every_item_once(case: tuple[Any, int], parts: int) -> None:
+    batch, size = case
+    shards = split_batch(batch, parts)
+    counts = [items_in(shard) for shard in shards]
+    assert sum(counts) == size
+    assert max(counts) - min(counts) <= 1
+    assert counts == sorted(counts, reverse=True)  # the larger shards first, as tensor_split
+    for position, original in enumerate(flat(batch)):
+        pieces = [flat(shard)[position] for shard in shards]
+        if isinstance(original, torch.Tensor) and original.dim() > 0:
+            assert torch.equal(torch.cat(pieces), original)
+        else:
+            assert all(piece is original for piece in pieces)  # handed to every shard as is
+
+
+# -- misuse across the public API: each one a clear error, before any work -------------------
+
+MODEL = functools.partial(make_model, 0)
+
+
+def _trainer(**kwargs: Any) -> Trainer:
+    return Trainer(MODEL(), ADAM, mse, devices=cpu_devices(1), progress_bar=False, **kwargs)
+
+
+MISUSES: list[tuple[str, Any, type[BaseException], str]] = [
+    ("no devices", lambda: asyncddp.resolve_devices([]), asyncddp.DeviceError, "no devices"),
+    (
+        "a device twice",
+        lambda: asyncddp.resolve_devices(["cpu#0", "cpu#0"]),
+        asyncddp.DeviceError,
+        "given twice",
+    ),
+    (
+        "an unknown device",
+        lambda: asyncddp.resolve_devices("tpu"),
+        asyncddp.DeviceError,
+        "unknown device",
+    ),
+    (
+        "a device of the wrong type",
+        lambda: asyncddp.resolve_devices(1.5),
+        asyncddp.DeviceTypeError,
+        "cannot read",
+    ),
+    ("cpu_devices(0)", lambda: cpu_devices(0), asyncddp.DeviceError, "n >= 1"),
+    (
+        "step_timeout=0",
+        lambda: asyncddp.StepScheduler(cpu_devices(1), step_timeout=0),
+        ValueError,
+        "step_timeout",
+    ),
+    (
+        "threads_per_worker=0",
+        lambda: asyncddp.StepScheduler(cpu_devices(1), threads_per_worker=0),
+        ValueError,
+        "threads_per_worker",
+    ),
+    (
+        "a model with nothing to train",
+        lambda: Trainer(nn.Linear(2, 2).requires_grad_(False), ADAM, mse),
+        asyncddp.ConfigurationError,
+        "no trainable parameters",
+    ),
+    (
+        "an optimizer instead of a factory",
+        lambda: Trainer(MODEL(), torch.optim.SGD(MODEL().parameters(), lr=1), mse),
+        asyncddp.ConfigurationError,
+        "factory",
+    ),
+    (
+        "a step that is not callable",
+        lambda: Trainer(MODEL(), ADAM, "step"),
+        asyncddp.ConfigurationError,
+        "step must be a function",
+    ),
+    (
+        "accumulate_grad_batches=0",
+        lambda: _trainer(accumulate_grad_batches=0),
+        asyncddp.ConfigurationError,
+        "accumulate_grad_batches",
+    ),
+    (
+        "gradient_clip_val=0",
+        lambda: _trainer(gradient_clip_val=0),
+        asyncddp.ConfigurationError,
+        "gradient_clip_val",
+    ),
+    ("an unknown precision", lambda: _trainer(precision="fp8"), ValueError, "unknown precision"),
+    (
+        "an unknown failure policy",
+        lambda: _trainer(on_failure="ignore"),
+        asyncddp.ConfigurationError,
+        "on_failure",
+    ),
+    (
+        "an unknown LR interval",
+        lambda: _trainer(lr_scheduler_interval="batch"),
+        asyncddp.ConfigurationError,
+        "lr_scheduler_interval",
+    ),
+    (
+        "events(maxlen=0)",
+        lambda: _trainer().events(maxlen=0),
+        asyncddp.ConfigurationError,
+        "maxlen",
+    ),
+    (
+        "a negative item count",
+        lambda: asyncddp.ProgressTracker(2).update([1, -1]),
+        ValueError,
+        "negative",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("misuse", "call", "error", "message"), MISUSES, ids=[m[0] for m in MISUSES]
+)
+def test_misuse_is_a_clear_error(
+    misuse: str, call: Any, error: type[BaseException], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        call()
+
+
+ASYNC_MISUSES: list[tuple[str, Any, type[BaseException], str]] = [
+    ("fit(epochs=0)", lambda t: t.fit([], epochs=0), asyncddp.ConfigurationError, "epochs"),
+    ("data with no batches", lambda t: t.fit([], epochs=1), asyncddp.DataError, "no batches"),
+    (
+        "a batch with no tensor",
+        lambda t: t.fit([["a", "b"]], epochs=1),
+        asyncddp.DataError,
+        "at least one tensor",
+    ),
+    ("validation data with no items", lambda t: t.validate([]), asyncddp.DataError, "no items"),
+    (
+        "resume='latest' without a checkpoint_dir",
+        lambda t: t.fit([], epochs=1, resume="latest"),
+        asyncddp.ConfigurationError,
+        "checkpoint_dir",
+    ),
+    (
+        "resume from a missing file",
+        lambda t: t.fit([], epochs=1, resume="/no/such.ckpt"),
+        asyncddp.CheckpointError,
+        "no checkpoint",
+    ),
+    (
+        "a step that returns no loss",
+        lambda t: Trainer(
+            MODEL(), ADAM, lambda m, b: None, devices=cpu_devices(1), progress_bar=False
+        ).fit(make_batches(0), epochs=1),
+        asyncddp.StepOutputError,
+        "returned None",
+    ),
+]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("misuse", "call", "error", "message"), ASYNC_MISUSES, ids=[m[0] for m in ASYNC_MISUSES]
+)
+async def test_async_misuse_is_a_clear_error(
+    misuse: str, call: Any, error: type[BaseException], message: str
+) -> None:
+    trainer = _trainer()
+    with pytest.raises(error, match=message):
+        await call(trainer)
+    assert trainer.global_step == 0
+
+
+@pytest.mark.anyio
+async def test_two_fits_at_once_on_one_trainer_is_a_clear_error() -> None:
+    trainer = _trainer()
+    async with anyio.create_task_group() as group:
+        group.start_soon(lambda: trainer.fit(make_batches(0) * 20, epochs=1))  # type: ignore[arg-type,return-value]
+        await anyio.sleep(0.05)
+        with pytest.raises(asyncddp.ConfigurationError, match="already running"):
+            await trainer.fit(make_batches(0), epochs=1)
