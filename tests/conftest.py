@@ -50,7 +50,7 @@ def release() -> Iterator[threading.Event]:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The fault-injection figures: how many faults were tried, of which kinds."""
+    """The robustness figures: faults tried, concurrency, load, crashes while writing."""
     faults = sys.modules.get("test_faults") or sys.modules.get("tests.test_faults")
     tried = getattr(faults, "TRIED", [])
     if tried:
@@ -59,3 +59,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             f"asyncddp fault injection: {len(tried)} faults tried and recovered from "
             f"({', '.join(kinds)}); no worker thread left behind"
         )
+    robustness = sys.modules.get("test_robustness") or sys.modules.get("tests.test_robustness")
+    for name, figure in getattr(robustness, "FIGURES", {}).items():
+        terminalreporter.write_line(f"asyncddp {name}: {figure}")

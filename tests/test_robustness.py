@@ -26,6 +26,9 @@ from asyncddp._data import items_in, split_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 
+#: Figures for the summary conftest.py prints at the end of the run.
+FIGURES: dict[str, str] = {}
+
 
 def make_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
@@ -66,7 +69,9 @@ async def test_eight_trainers_at_once_end_as_if_run_one_after_another() -> None:
     for seed in range(8):
         for name, value in sequential[seed].items():
             torch.testing.assert_close(concurrent[seed][name], value, rtol=1e-6, atol=1e-6)
-    print("8 trainers x 2 workers at once: parameters equal to 8 sequential runs")
+    FIGURES["concurrency"] = (
+        "8 trainers x 2 workers at once in one loop: parameters equal to 8 runs in turn"
+    )
 
 
 @pytest.mark.anyio
@@ -79,6 +84,11 @@ async def test_a_long_run_keeps_threads_and_event_buffers_flat() -> None:
     assert len(asyncddp.testing.asyncddp_threads()) == threads_before
     assert len(stream._queue) == 50
     assert stream.dropped == 2006 - 50  # FitStarted, 2,000 steps, 4 EpochEnded, FitEnded
+    FIGURES["load"] = (
+        f"2,000 steps on 4 workers: worker threads after {threads_before} -> "
+        f"{len(asyncddp.testing.asyncddp_threads())}, unread stream {len(stream._queue)} events "
+        f"(maxlen 50), {stream.dropped} dropped"
+    )
     del stream
 
 
@@ -124,6 +134,10 @@ def test_a_process_killed_while_writing_leaves_the_previous_checkpoint_whole(
         assert state["format"] == "asyncddp-checkpoint"
         assert len(state["model"]) == 24
     assert killed_mid_write >= 1, "no kill landed inside a write; the test proved nothing"
+    FIGURES["crash"] = (
+        f"3 SIGKILLs of a checkpoint writer, {killed_mid_write} inside a write: "
+        "the checkpoint on disk whole and loadable every time"
+    )
 
 
 def test_a_truncated_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
