@@ -93,6 +93,11 @@ def reference(
     return model
 
 
+def join(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several batches as one."""
+    return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+
+
 def assert_close(actual: nn.Module, expected: nn.Module, tol: float = 1e-5) -> None:
     for (name, a), b in zip(
         actual.state_dict().items(), expected.state_dict().values(), strict=True
@@ -180,10 +185,7 @@ async def test_the_model_passed_in_is_the_trained_model_when_it_lives_on_the_fir
 async def test_gradient_accumulation_averages_over_every_item_of_the_window() -> None:
     batches = make_batches([6, 4, 5])
     # Accumulating two batches equals one step on both batches joined (item-weighted mean).
-    joined = [
-        (torch.cat([batches[0][0], batches[1][0]]), torch.cat([batches[0][1], batches[1][1]])),
-        batches[2],
-    ]
+    joined = [join(batches[:2]), batches[2]]
     expected = reference(joined, 1, SGD)
     trainer = Trainer(
         make_model(),
@@ -200,10 +202,7 @@ async def test_gradient_accumulation_averages_over_every_item_of_the_window() ->
 
 async def test_whole_batches_per_device_average_over_items() -> None:
     batches = make_batches([6, 4, 5])
-    joined = [
-        (torch.cat([batches[0][0], batches[1][0]]), torch.cat([batches[0][1], batches[1][1]])),
-        batches[2],
-    ]
+    joined = [join(batches[:2]), batches[2]]
     expected = reference(joined, 1, SGD)
     trainer = Trainer(
         make_model(),
