@@ -6,7 +6,9 @@ never on the event loop. The trainer hands them to :meth:`StepScheduler.run`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ from ._replica import Replica, StepFunction, loss_and_metrics
 from ._sync import all_gather, reduce_scatter
 from ._worker import WorkerContext
 
-__all__ = ["ApplyWork", "Jobs", "NonFiniteLoss", "Sums", "TrainWork"]
+__all__ = ["ApplyWork", "FusedWork", "Jobs", "NonFiniteLoss", "Sums", "TrainWork"]
 
 
 class NonFiniteLoss(Exception):
@@ -70,6 +72,16 @@ class ApplyWork:
     apply_id: int  # tells this step from earlier ones when undoing
     unused: tuple[int, ...]  # parameters no device used in this step
     in_place: bool = True  # the reduce-scatter summed in place (see _sync.reduce_scatter)
+
+
+@dataclass(frozen=True)
+class FusedWork:
+    """One device's whole optimizer step in one job (a single device: nothing to reduce)."""
+
+    train: TrainWork  # the window's last forward and backward
+    scale: float  # applied to the gradients before the step (accumulation)
+    clip: float | None  # gradient_clip_val
+    apply: ApplyWork  # its coefficient and unused parameters are worked out in the job
 
 
 class Jobs:
@@ -168,6 +180,27 @@ class Jobs:
                 for mine, first in zip(replica.buffers, self.replicas[0].buffers, strict=True):
                     mine.copy_(first, non_blocking=True)
         return replica.lr()
+
+    def train_and_step(self, ctx: WorkerContext, work: FusedWork) -> tuple[Sums, float | None]:
+        """Forward, backward and the optimizer step in one job: one hand-off per step."""
+        sums = self.train(ctx, work.train)
+        replica = self.replicas[ctx.device.index]
+        try:
+            norm_sq, _ = reduce_scatter(
+                [replica.grads], 0, work.scale, want_norm=work.clip is not None
+            )
+            coefficient = 1.0
+            if work.clip is not None and math.sqrt(norm_sq) > work.clip:
+                coefficient = work.clip / (math.sqrt(norm_sq) + 1e-6)
+            unused = tuple(i for i, used in enumerate(replica.used) if not used)
+            lr = self.apply(
+                ctx, dataclasses.replace(work.apply, coefficient=coefficient, unused=unused)
+            )
+        except BaseException as exc:
+            with contextlib.suppress(Exception):  # tells the trainer which phase failed
+                exc._asyncddp_phase = "optimizer"  # type: ignore[attr-defined]
+            raise
+        return sums, lr
 
     def abandon(self, ctx: WorkerContext, apply_id: int | None) -> None:
         """Undo an unfinished step: its optimizer step (if taken), its forwards, its gradients."""

@@ -30,7 +30,7 @@ from ._exceptions import (
     WorkerFailedError,
     WorkerTimeoutError,
 )
-from ._jobs import ApplyWork, Jobs, NonFiniteLoss, Sums, TrainWork
+from ._jobs import ApplyWork, FusedWork, Jobs, NonFiniteLoss, Sums, TrainWork
 from ._precision import LossScaler
 from ._replica import Replica
 from ._scheduler import StepScheduler
@@ -65,6 +65,10 @@ class Window:
 
 def shard_items(shard: Any) -> int:
     return 0 if shard is None else items_in(shard)
+
+
+def error_in_optimizer(error: BaseException) -> bool:
+    return isinstance(error, WorkerFailedError) and error.phase == "optimizer"
 
 
 class Steps:
@@ -135,6 +139,8 @@ class Steps:
         attempt = 0
         while True:
             try:
+                if final and self._fusable(window):
+                    return await self._fused_step(window, epoch)
                 await self._forward_backward(window, epoch)
                 return await self._optimizer_step(window) if final else None
             except WorkerFailedError as error:
@@ -240,6 +246,62 @@ class Steps:
                         window.device_items.get(device.name, 0) + count
                     )
             window.done += 1
+
+    def _fusable(self, window: Window) -> bool:
+        """One device, one micro-step left, no loss scaling: the whole step is one job."""
+        return (
+            len(self.devices) == 1
+            and self._scaler is None
+            and window.done == len(window.batches) - 1
+        )
+
+    async def _fused_step(self, window: Window, epoch: int) -> float | None:
+        shards = self._shards(window.batches[window.done])
+        counts = [shard_items(shard) for shard in shards]
+        items = window.sums.items + sum(counts)
+        if not items:  # nothing to learn from: the ordinary path skips the step
+            await self._forward_backward(window, epoch)
+            return await self._optimizer_step(window)
+        opens = window.done == 0
+        self._window_open = True
+        k_scale = self.accumulate_grad_batches != 1  # see _forward_backward
+        weight = float(counts[0]) if k_scale else 1.0
+        self._apply_id += 1
+        apply = ApplyWork(
+            1.0, self.atomic_steps, self.lr_scheduler_interval == "step", self._apply_id, ()
+        )
+        work = FusedWork(
+            TrainWork(shards[0], weight, counts[0], opens),
+            1.0 / items if k_scale else 1.0,
+            self.gradient_clip_val,
+            apply,
+        )
+        try:
+            result = await self._require_scheduler().run(
+                self._jobs().train_and_step,
+                [work],
+                items=counts,
+                step=self.global_step,
+                epoch=epoch,
+                phase="train",
+            )
+        except BaseException as error:
+            if isinstance(error, WorkerFailedError):
+                error.phase = getattr(error.__cause__, "_asyncddp_phase", error.phase)
+            # The optimizer step may have been taken: undo it (shielded), then go on.
+            undone = not await self._abandon(self._apply_id)
+            if not undone or (not self.atomic_steps and error_in_optimizer(error)):
+                self._consistent = False
+            raise
+        sums: Sums
+        lr: float | None
+        sums, lr = result.outputs[0]
+        window.sums.add(sums)
+        name = self.devices[0].name
+        window.device_items[name] = window.device_items.get(name, 0) + counts[0]
+        window.done += 1
+        self._window_open = False
+        return lr
 
     async def _optimizer_step(self, window: Window) -> float | None:
         """Reduce the gradients across devices, clip, and step every replica, all or none."""

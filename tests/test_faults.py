@@ -100,7 +100,7 @@ def inject(fn: Callable[..., Any], devices: list[int], **kwargs: Any) -> Callabl
 
 WHERE = ["forward", "backward", "metric", "optimizer", "data", "validation"]
 WHEN = {"first": 0, "middle": 3}
-WHICH = {"1 of 2": (2, [1]), "1 of 8": (8, [5]), "all of 2": (2, [0, 1])}
+WHICH = {"1 of 1": (1, [0]), "1 of 2": (2, [1]), "1 of 8": (8, [5]), "all of 2": (2, [0, 1])}
 
 
 @pytest.mark.parametrize("which", list(WHICH))

@@ -131,7 +131,7 @@ class ParamRecorder:
         return F.cross_entropy(model(inputs), targets)
 
 
-@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("devices", [1, 2, 3])
 @pytest.mark.parametrize("optimizer", [SGD, ADAMW], ids=["sgd-momentum", "adamw"])
 async def test_n_devices_match_one_device_given_the_whole_batch(
     devices: int, optimizer: Callable[..., torch.optim.Optimizer]
@@ -182,7 +182,8 @@ async def test_the_model_passed_in_is_the_trained_model_when_it_lives_on_the_fir
     assert trainer._replicas[1].model is not model
 
 
-async def test_gradient_accumulation_averages_over_every_item_of_the_window() -> None:
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_gradient_accumulation_averages_over_every_item_of_the_window(devices: int) -> None:
     batches = make_batches([6, 4, 5])
     # Accumulating two batches equals one step on both batches joined (item-weighted mean).
     joined = [join(batches[:2]), batches[2]]
@@ -191,7 +192,7 @@ async def test_gradient_accumulation_averages_over_every_item_of_the_window() ->
         make_model(),
         SGD,
         loss_step,
-        devices=cpu_devices(2),
+        devices=cpu_devices(devices),
         accumulate_grad_batches=2,
         progress_bar=False,
     )
@@ -216,14 +217,17 @@ async def test_whole_batches_per_device_average_over_items() -> None:
     assert_close(trainer.model, expected)
 
 
-async def test_gradient_clipping_uses_the_global_norm_of_the_averaged_gradients() -> None:
+@pytest.mark.parametrize("devices", [1, 3])
+async def test_gradient_clipping_uses_the_global_norm_of_the_averaged_gradients(
+    devices: int,
+) -> None:
     batches = make_batches([8, 8, 8])
     expected = reference(batches, 2, SGD, clip=0.05)
     trainer = Trainer(
         make_model(),
         SGD,
         loss_step,
-        devices=cpu_devices(3),
+        devices=cpu_devices(devices),
         gradient_clip_val=0.05,
         progress_bar=False,
     )
@@ -341,10 +345,13 @@ async def test_stop_ends_fit_at_the_next_step_and_fit_continues_from_there() -> 
     assert_close(trainer.model, expected)
 
 
-async def test_cancelling_fit_leaves_a_trainer_that_continues_exactly() -> None:
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_cancelling_fit_leaves_a_trainer_that_continues_exactly(devices: int) -> None:
     batches = make_batches([3] * 40)
     expected = reference(batches, 1, ADAMW)
-    trainer = Trainer(make_model(), ADAMW, loss_step, devices=cpu_devices(2), progress_bar=False)
+    trainer = Trainer(
+        make_model(), ADAMW, loss_step, devices=cpu_devices(devices), progress_bar=False
+    )
     steps_seen = anyio.Event()
     stream = trainer.events()
 
@@ -1020,3 +1027,18 @@ async def test_a_checkpoint_asked_for_as_fit_starts_waits_for_the_replicas(tmp_p
         path = await trainer.save_checkpoint(tmp_path / "early.ckpt")
     assert asyncddp._checkpoint.load(path)["epoch"] in (0, 1)
     assert trainer.global_step == 5
+
+
+async def test_one_device_unused_parameters_and_cancellation_stay_exact() -> None:
+    # One device runs each step as one job: the same guarantees as several devices.
+    raw = make_batches([6, 6, 6, 6])
+    batches = [(x, y, torch.full((len(x),), i % 2 == 0)) for i, (x, y) in enumerate(raw)]
+    model = Branchy()
+    opt = SGD(model.parameters())
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        branchy_step(model, batch).backward()
+        opt.step()
+    trainer = Trainer(Branchy(), SGD, branchy_step, devices=cpu_devices(1), progress_bar=False)
+    await trainer.fit(batches, epochs=1)
+    assert_close(trainer.model, model)
