@@ -93,6 +93,22 @@ def reference(
     return model
 
 
+async def fit_until_stopped(
+    trainer: Trainer, data: Any, *, epochs: int, at_step: int, reason: str = "stopped"
+) -> asyncddp.FitResult:
+    """``fit``, with an event consumer that calls ``stop(reason)`` once step ``at_step`` ends."""
+    stream = trainer.events()
+
+    async def stopper() -> None:
+        async for event in stream:
+            if isinstance(event, StepEnded) and event.step == at_step:
+                trainer.stop(reason)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(stopper)
+        return await trainer.fit(data, epochs=epochs)
+
+
 def join(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Several batches as one."""
     return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
@@ -325,16 +341,7 @@ async def test_stop_ends_fit_at_the_next_step_and_fit_continues_from_there() -> 
     batches = make_batches([3, 3, 3, 3, 3])
     expected = reference(batches, 2, SGD)
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
-    stream = trainer.events()
-
-    async def stop_after_three_steps() -> None:
-        async for event in stream:
-            if isinstance(event, StepEnded) and event.step == 2:
-                trainer.stop("enough for now")
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(stop_after_three_steps)
-        first = await trainer.fit(batches, epochs=2)
+    first = await fit_until_stopped(trainer, batches, epochs=2, at_step=2, reason="enough for now")
     assert first.stopped
     assert first.stop_reason == "enough for now"
     assert 3 <= first.global_step < 10
@@ -613,16 +620,7 @@ async def test_resuming_from_a_checkpoint_ends_like_an_uninterrupted_run(tmp_pat
 
     torch.manual_seed(123)
     first = fresh()
-    stream = first.events()
-
-    async def stop_mid_epoch() -> None:
-        async for event in stream:
-            if isinstance(event, StepEnded) and event.epoch == 1 and event.step == 6:
-                first.stop()
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(stop_mid_epoch)
-        stopped = await first.fit(loader, epochs=3)
+    stopped = await fit_until_stopped(first, loader, epochs=3, at_step=6)  # in epoch 1
     assert stopped.stopped
     path = await first.save_checkpoint(tmp_path / "mid.ckpt")
     assert path.exists()
@@ -970,16 +968,7 @@ async def test_batchnorm_buffers_are_undone_with_a_cancelled_step() -> None:
 async def test_stop_at_the_last_step_of_an_epoch_still_closes_the_epoch() -> None:
     batches = make_batches([4, 4, 4])
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
-    stream = trainer.events()
-
-    async def stop_at_the_end() -> None:
-        async for event in stream:
-            if isinstance(event, StepEnded) and event.step == 2:
-                trainer.stop("done")
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(stop_at_the_end)
-        result = await trainer.fit(batches, epochs=2)
+    result = await fit_until_stopped(trainer, batches, epochs=2, at_step=2)  # the epoch's last
     assert result.stopped
     assert result.epoch == 1
     assert [record.items for record in result.history] == [12]
@@ -988,16 +977,7 @@ async def test_stop_at_the_last_step_of_an_epoch_still_closes_the_epoch() -> Non
 async def test_progress_after_a_mid_epoch_resume_reaches_the_total(tmp_path: Any) -> None:
     batches = make_batches([4] * 6)
     first = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
-    stream = first.events()
-
-    async def stop_mid_epoch() -> None:
-        async for event in stream:
-            if isinstance(event, StepEnded) and event.step == 2:
-                first.stop()
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(stop_mid_epoch)
-        await first.fit(batches, epochs=1)
+    await fit_until_stopped(first, batches, epochs=1, at_step=2)
     path = await first.save_checkpoint(tmp_path / "mid.ckpt")
     resumed = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
     resumed_stream = resumed.events()
