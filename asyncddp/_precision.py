@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ._exceptions import ConfigurationError
+
 __all__ = ["LossScaler", "autocast_dtype"]
 
 _PRECISIONS: dict[str, torch.dtype | None] = {
@@ -32,7 +34,7 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
         return _PRECISIONS[str(precision)]
     except KeyError:
         names = ", ".join(repr(name) for name in _PRECISIONS)
-        raise ValueError(f"unknown precision {precision!r}; use one of {names}") from None
+        raise ConfigurationError(f"unknown precision {precision!r}; use one of {names}") from None
 
 
 class LossScaler:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ._exceptions import ConfigurationError
+
 __all__ = ["Progress", "ProgressTracker"]
 
 
@@ -61,11 +63,13 @@ class ProgressTracker:
         start: Sequence[int] | None = None,
     ) -> None:
         if num_devices < 1:
-            raise ValueError(f"num_devices must be at least 1, got {num_devices}")
+            raise ConfigurationError(f"num_devices must be at least 1, got {num_devices}")
         if items_total is not None and items_total < 0:
-            raise ValueError(f"items_total must be >= 0 or None, got {items_total}")
+            raise ConfigurationError(f"items_total must be >= 0 or None, got {items_total}")
         if start is not None and (len(start) != num_devices or any(c < 0 for c in start)):
-            raise ValueError(f"start must hold {num_devices} counts >= 0, got {list(start)}")
+            raise ConfigurationError(
+                f"start must hold {num_devices} counts >= 0, got {list(start)}"
+            )
         # ``start``: counts carried over, for example from before a resume in mid-epoch.
         self._device_items = list(start) if start is not None else [0] * num_devices
         self._items_total = items_total
@@ -74,13 +78,13 @@ class ProgressTracker:
     def update(self, step_items: Sequence[int]) -> Progress:
         """Add one step's item counts (one per device, zero for a device that had none)."""
         if len(step_items) != len(self._device_items):
-            raise ValueError(
+            raise ConfigurationError(
                 f"expected {len(self._device_items)} item counts (one per device), "
                 f"got {len(step_items)}"
             )
         for count in step_items:
             if count < 0:
-                raise ValueError(f"item counts cannot be negative, got {list(step_items)}")
+                raise ConfigurationError(f"item counts cannot be negative, got {list(step_items)}")
         for i, count in enumerate(step_items):
             self._device_items[i] += count
         self._steps += 1

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ._devices import Device
-from ._exceptions import StepOutputError
+from ._exceptions import ConfigurationError, StepOutputError
 from ._sync import FlatGrads, StepBackup
 
 __all__ = [
@@ -104,8 +104,9 @@ def build_replica(
     model = source if use_source else copy.deepcopy(source).to(device.torch_device)
     opt = optimizer(p for p in model.parameters() if p.requires_grad)
     if not isinstance(opt, torch.optim.Optimizer):
-        raise TypeError(
-            f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer"
+        raise ConfigurationError(
+            f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer; "
+            "give a factory such as functools.partial(torch.optim.SGD, lr=0.1)"
         )
     return Replica(device, model, opt, scheduler(opt) if scheduler is not None else None)
 

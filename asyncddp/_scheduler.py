@@ -31,6 +31,7 @@ import torch
 from ._data import count_items
 from ._devices import Device, DeviceSpec, resolve_devices
 from ._exceptions import (
+    ConfigurationError,
     SchedulerClosedError,
     ShardError,
     WorkerFailedError,
@@ -239,10 +240,12 @@ class StepScheduler:
         threads_per_worker: int | None = None,
     ) -> None:
         if threads_per_worker is not None and threads_per_worker < 1:
-            raise ValueError(f"threads_per_worker must be >= 1 or None, got {threads_per_worker!r}")
+            raise ConfigurationError(
+                f"threads_per_worker must be >= 1 or None, got {threads_per_worker!r}"
+            )
         for name, value in (("step_timeout", step_timeout), ("drain_timeout", drain_timeout)):
             if value is not None and not value > 0:
-                raise ValueError(
+                raise ConfigurationError(
                     f"{name} must be a positive number of seconds or None, got {value!r}"
                 )
         self.devices: tuple[Device, ...] = resolve_devices(devices)

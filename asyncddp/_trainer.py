@@ -46,7 +46,7 @@ from ._events import (
     FitEnded,
     FitStarted,
 )
-from ._exceptions import AsyncDDPError, ConfigurationError
+from ._exceptions import AsyncDDPError, ConfigurationError, WorkerFailedError
 from ._jobs import Jobs, Sums, load_into, to_cpu
 from ._precision import LossScaler, autocast_dtype
 from ._replica import OptimizerFactory, Replica, SchedulerFactory, StepFunction, build_replica
@@ -110,7 +110,7 @@ class Trainer(Resumable):
         gradient_clip_val: Clip the gradients to this global L2 norm (over the averaged
             gradients, as DDP would), or ``None``.
         precision: ``"32"``, ``"bf16"`` (bf16 autocast) or ``"fp16"`` (fp16 autocast with
-            dynamic loss scaling). Lightning's names (``"bf16-mixed"``, ...) work too.
+            dynamic loss scaling); also Lightning's ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``.
         split_batches: ``True`` splits every batch along dim 0 across the devices; ``False``
             gives each device whole batches of its own (``len(devices)`` batches per step).
         step_timeout: Seconds a device may take for one job; see :class:`StepScheduler`.
@@ -177,6 +177,8 @@ class Trainer(Resumable):
         _check(on_failure in ("raise", "retry", "drop"), "on_failure: 'raise', 'retry' or 'drop'")
         _check(max_retries >= 0, "max_retries must be >= 0")
         _check(prefetch >= 1, "prefetch must be >= 1")
+        _check(step_timeout is None or step_timeout > 0, "step_timeout must be > 0 or None")
+        _check(threads_per_worker is None or threads_per_worker >= 1, "threads_per_worker >= 1")
         self.devices: tuple[Device, ...] = resolve_devices(devices)
         self._autocast = autocast_dtype(precision)
         self._scaler = LossScaler() if self._autocast is torch.float16 else None
@@ -296,13 +298,14 @@ class Trainer(Resumable):
             stay identical; ``fit`` can be called again and continues from the last completed
             optimizer step.
         """
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ConfigurationError(f"epochs must be an int >= 1, got {epochs!r}")
         await self._wait_for_checkpoint_session()
+        self._refuse_if_running()  # before the try: a running fit's event streams stay open
         self._stop_reason = None
         history: list[EpochRecord] = []
         started = time.perf_counter()
         try:
+            if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+                raise ConfigurationError(f"epochs must be an int >= 1, got {epochs!r}")
             if resume is not None:
                 self._adopt(await self._read_checkpoint(resume))
             async with self._session("fit"):
@@ -387,10 +390,7 @@ class Trainer(Resumable):
     @contextlib.asynccontextmanager
     async def _session(self, kind: str) -> AsyncIterator[StepScheduler]:
         """Worker threads for one fit, validate or checkpoint call."""
-        if self._session_kind is not None:
-            raise ConfigurationError(
-                f"{self._session_kind} is already running on this trainer; await it first"
-            )
+        self._refuse_if_running()
         if not self._consistent:
             raise AsyncDDPError(
                 "a failed optimizer step left the replicas different from each other "
@@ -424,6 +424,12 @@ class Trainer(Resumable):
                 self._session_kind = None
                 self._session_done.set()
 
+    def _refuse_if_running(self) -> None:
+        if self._session_kind is not None:
+            raise ConfigurationError(
+                f"{self._session_kind} is already running on this trainer; await it first"
+            )
+
     async def _wait_for_checkpoint_session(self) -> None:
         if self._session_kind == "checkpoint" and self._session_done is not None:
             await self._session_done.wait()
@@ -446,7 +452,12 @@ class Trainer(Resumable):
             replica.regroup(parts, index)
             return replica
 
-        result = await self._scheduler_run(build, list(range(parts)), phase="setup")
+        try:
+            result = await self._scheduler_run(build, list(range(parts)), phase="setup")
+        except WorkerFailedError as error:
+            if isinstance(error.__cause__, ConfigurationError):
+                raise error.__cause__ from None  # a mistake in the arguments, not a device fault
+            raise
         self._replicas = list(result.outputs)
 
     def _new_scheduler(self) -> StepScheduler:

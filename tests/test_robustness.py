@@ -286,7 +286,12 @@ MISUSES: list[tuple[str, Any, type[BaseException], str]] = [
         asyncddp.ConfigurationError,
         "gradient_clip_val",
     ),
-    ("an unknown precision", lambda: _trainer(precision="fp8"), ValueError, "unknown precision"),
+    (
+        "an unknown precision",
+        lambda: _trainer(precision="fp8"),
+        asyncddp.ConfigurationError,
+        "unknown precision",
+    ),
     (
         "an unknown failure policy",
         lambda: _trainer(on_failure="ignore"),
@@ -378,3 +383,39 @@ async def test_two_fits_at_once_on_one_trainer_is_a_clear_error() -> None:
         await anyio.sleep(0.05)
         with pytest.raises(asyncddp.ConfigurationError, match="already running"):
             await trainer.fit(make_batches(0), epochs=1)
+
+
+@pytest.mark.anyio
+async def test_an_optimizer_factory_that_returns_no_optimizer_is_a_clear_error() -> None:
+    trainer = Trainer(MODEL(), lambda params: None, mse, devices=cpu_devices(2), progress_bar=False)
+    with pytest.raises(asyncddp.ConfigurationError, match="returned NoneType"):
+        await trainer.fit(make_batches(0), epochs=1)
+
+
+@pytest.mark.anyio
+async def test_a_refused_second_fit_leaves_the_running_fits_events_alone() -> None:
+    trainer = _trainer()
+    stream = trainer.events()
+    seen: list[str] = []
+
+    async def watch() -> None:
+        async for event in stream:
+            seen.append(type(event).__name__)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(watch)
+        group.start_soon(lambda: trainer.fit(make_batches(0) * 20, epochs=1))  # type: ignore[arg-type,return-value]
+        await anyio.sleep(0.05)
+        with pytest.raises(asyncddp.ConfigurationError, match="already running"):
+            await trainer.fit(make_batches(0), epochs=1)
+    assert seen.count("FitEnded") == 1
+    assert seen[-1] == "FitEnded"
+
+
+@pytest.mark.anyio
+async def test_fit_with_bad_epochs_still_ends_event_streams() -> None:
+    trainer = _trainer()
+    stream = trainer.events()
+    with pytest.raises(asyncddp.ConfigurationError, match="epochs"):
+        await trainer.fit(make_batches(0), epochs=0)
+    assert [type(event).__name__ async for event in stream] == ["FitEnded"]
