@@ -5,7 +5,9 @@ Run:  python bench/loop_lag.py            (about half a minute)
 
 A task sleeps 1 ms in a loop and records how late each wake-up is. It runs beside:
 
-- asyncddp: ``await trainer.fit(...)`` on ``cpu_devices(2)`` (the MLP 512-1024-10, batch 256);
+- asyncddp: ``await trainer.fit(...)`` on ``cpu_devices(2)`` (the MLP 512-1024-10, batch 256),
+  which keeps every core busy;
+- asyncddp, a core free: the same on one worker with one thread, leaving a core to the loop;
 - blocking: the same training as a plain loop called from a coroutine, which is what a
   training library without async support does to an event loop.
 
@@ -44,10 +46,17 @@ async def beside(train: object, steps: int) -> list[float]:
     return lags
 
 
-async def train_asyncddp(batches: list[object], epochs: int) -> None:
+async def train_asyncddp(
+    batches: list[object], epochs: int, devices: int = 2, threads: int | None = None
+) -> None:
     torch.manual_seed(0)
     trainer = asyncddp.Trainer(
-        mlp(), SGD, step, devices=asyncddp.cpu_devices(2), progress_bar=False
+        mlp(),
+        SGD,
+        step,
+        devices=asyncddp.cpu_devices(devices),
+        progress_bar=False,
+        threads_per_worker=threads,
     )
     await trainer.fit(batches, epochs=epochs)
 
@@ -67,7 +76,7 @@ def describe(name: str, lags: list[float]) -> str:
     ordered = sorted(lags)
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
     return (
-        f"  {name:<9} ticks {len(lags):>5}   p50 {1e3 * statistics.median(ordered):7.3f} ms   "
+        f"  {name:<11} ticks {len(lags):>5}   p50 {1e3 * statistics.median(ordered):7.3f} ms   "
         f"p99 {1e3 * p99:8.3f} ms   max {1e3 * ordered[-1]:8.3f} ms"
     )
 
@@ -86,8 +95,10 @@ async def main() -> None:
     batches = make_batches((512,), args.steps)
     print(f"lag of a 1 ms ticker, {args.epochs} epochs x {args.steps} steps of the MLP, batch 256")
     ours = await beside(train_asyncddp(batches, args.epochs), args.steps)
+    spare = await beside(train_asyncddp(batches, args.epochs, devices=1, threads=1), args.steps)
     blocked = await beside(train_blocking(batches, args.epochs), args.steps)
     print(describe("asyncddp", ours))
+    print(describe("1 core free", spare))
     print(describe("blocking", blocked))
     ordered = sorted(ours)
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
