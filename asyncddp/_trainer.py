@@ -227,6 +227,13 @@ class Trainer(Resumable):
         self._apply_id = 0
         self._step_lock: anyio.Lock | None = None
 
+    def __repr__(self) -> str:
+        names = ", ".join(device.name for device in self.devices)
+        return (
+            f"<Trainer {type(self._source).__name__} on {names}: epoch {self.epoch}, "
+            f"step {self.global_step}{', running' if self._session_kind else ''}>"
+        )
+
     # -- public API -------------------------------------------------------------------------
 
     @property

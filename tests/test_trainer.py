@@ -1022,3 +1022,8 @@ async def test_one_device_unused_parameters_and_cancellation_stay_exact() -> Non
     trainer = Trainer(Branchy(), SGD, branchy_step, devices=cpu_devices(1), progress_bar=False)
     await trainer.fit(batches, epochs=1)
     assert_close(trainer.model, model)
+
+
+def test_repr_says_where_training_stands() -> None:
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2))
+    assert repr(trainer) == "<Trainer Sequential on cpu#0, cpu#1: epoch 0, step 0>"
