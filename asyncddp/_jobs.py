@@ -71,7 +71,7 @@ class ApplyWork:
     scheduler_step: bool  # step the LR scheduler too
     apply_id: int  # tells this step from earlier ones when undoing
     unused: tuple[int, ...]  # parameters no device used in this step
-    in_place: bool = True  # the reduce-scatter summed in place (see _sync.reduce_scatter)
+    in_place: bool = False  # the reduce-scatter summed in place (see _sync.reduce_scatter)
 
 
 @dataclass(frozen=True)

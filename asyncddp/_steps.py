@@ -288,9 +288,12 @@ class Steps:
         except BaseException as error:
             if isinstance(error, WorkerFailedError):
                 error.phase = getattr(error.__cause__, "_asyncddp_phase", error.phase)
-            # The optimizer step may have been taken: undo it (shielded), then go on.
+            # The optimizer step may have been taken: undo it (shielded), then go on. Without a
+            # backup a step that was taken (failed half way, or done before a cancellation)
+            # cannot be undone.
+            stepped = self._replicas[0].stepped_at == self._apply_id
             undone = not await self._abandon(self._apply_id)
-            if not undone or (not self.atomic_steps and error_in_optimizer(error)):
+            if not undone or (not self.atomic_steps and (stepped or error_in_optimizer(error))):
                 self._consistent = False
             raise
         sums: Sums
@@ -316,8 +319,8 @@ class Steps:
         want_norm = self.gradient_clip_val is not None
         finite, norm = True, 0.0
         if n > 1 or scale != 1.0 or want_norm or self._scaler is not None:
-            # In place unless clipping, whose coefficient the all-gather applies.
-            checks = (scale, want_norm, self._scaler is not None, not want_norm)
+            # Through scratch buffers: see _sync.reduce_scatter for why not in place.
+            checks = (scale, want_norm, self._scaler is not None, False)
             reduced = await self._run_all(jobs.reduce, checks, phase="reduce")
             norm = math.sqrt(sum(norm_sq for norm_sq, _ in reduced.outputs))
             finite = all(ok for _, ok in reduced.outputs)
@@ -339,7 +342,7 @@ class Steps:
             self.lr_scheduler_interval == "step",
             self._apply_id,
             unused,
-            in_place=not want_norm,
+            in_place=False,
         )
         try:
             applied = await self._run_all(jobs.apply, work, phase="optimizer", shield=True)

@@ -101,15 +101,16 @@ def reduce_scatter(
     *,
     want_norm: bool,
     want_finite: bool = False,
-    in_place: bool = True,
+    in_place: bool = False,
 ) -> tuple[float, bool]:
     """Step 1 on worker ``index``: sum chunk ``index`` of every replica.
 
-    ``in_place`` sums into this replica's own chunk, the fewest bytes moved; the all-gather
-    must then be in place too, and nobody may write a buffer until every worker has gathered
-    (the trainer zeroes gradients at the start of the next step, not at the end of this one).
-    Otherwise the sum goes to a scratch buffer, which the all-gather scales while it copies:
-    for clipping, whose coefficient is known only after this step.
+    The sum goes to a scratch buffer that peers read in the all-gather, while each owner may
+    already be stepping its optimizer: optimizers may write ``.grad`` in place (SGD with
+    Nesterov momentum does, with ``foreach``), so peers must never read another replica's live
+    ``.grad`` in that step. ``in_place`` sums into this replica's own chunk instead, fewer bytes
+    moved, and is only safe when no peer reads it while the owner steps (a single replica; a
+    trial with peers raced and was reverted).
 
     Returns the squared norm of the reduced chunk (0.0 unless ``want_norm``) and whether it is
     all finite (True unless ``want_finite``): each is one more pass over the chunk, so only
@@ -149,7 +150,7 @@ def reduce_scatter(
 
 
 def all_gather(
-    replicas: Sequence[FlatGrads], index: int, coefficient: float, *, in_place: bool = True
+    replicas: Sequence[FlatGrads], index: int, coefficient: float, *, in_place: bool = False
 ) -> None:
     """Step 2 on worker ``index``: fill its buffers from every owner's reduced chunk.
 

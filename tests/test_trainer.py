@@ -1027,3 +1027,57 @@ async def test_one_device_unused_parameters_and_cancellation_stay_exact() -> Non
 def test_repr_says_where_training_stands() -> None:
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2))
     assert repr(trainer) == "<Trainer Sequential on cpu#0, cpu#1: epoch 0, step 0>"
+
+
+async def test_an_optimizer_that_writes_grad_in_place_cannot_race_the_gather(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # SGD with Nesterov momentum and foreach writes .grad in place during step(); a peer still
+    # gathering must not read it then. Slow one device's gather down to open the window wide.
+    import time
+
+    from asyncddp import _jobs
+
+    gather = _jobs.all_gather
+
+    def slow_on_cpu0(replicas: Any, index: int, coefficient: float, **kwargs: Any) -> None:
+        if index == 0:
+            time.sleep(0.05)
+        gather(replicas, index, coefficient, **kwargs)
+
+    monkeypatch.setattr(_jobs, "all_gather", slow_on_cpu0)
+    nesterov = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True, foreach=True)
+    batches = make_batches([8, 8, 8])
+    trainer = Trainer(make_model(), nesterov, loss_step, devices=cpu_devices(2), progress_bar=False)
+    await trainer.fit(batches, epochs=1)
+    assert_replicas_identical(trainer)
+    assert_close(trainer.model, reference(batches, 1, nesterov))
+
+
+class SlowSGD(torch.optim.SGD):
+    """An SGD that updates, then takes a while: a cancellation lands after the update."""
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        result = super().step(closure)
+        import time
+
+        time.sleep(0.3)
+        return result
+
+
+async def test_one_device_without_atomic_steps_cancelled_after_its_update_is_refused_again() -> (
+    None
+):
+    trainer = Trainer(
+        make_model(),
+        functools.partial(SlowSGD, lr=0.1),
+        loss_step,
+        devices=cpu_devices(1),
+        atomic_steps=False,
+        progress_bar=False,
+    )
+    with anyio.move_on_after(0.1):
+        await trainer.fit(make_batches([4, 4]), epochs=1)
+    assert trainer.global_step == 0
+    with pytest.raises(asyncddp.AsyncDDPError, match="atomic_steps=False"):
+        await trainer.fit(make_batches([4, 4]), epochs=1)
