@@ -232,8 +232,10 @@ async def test_running_jobs_of_other_devices_are_awaited() -> None:
 
 async def test_failed_job_pins_no_tensor_once_the_error_is_dropped() -> None:
     refs: list[weakref.ref[torch.Tensor]] = []
+    both_running = threading.Barrier(2, timeout=10)  # neither job is dropped as not yet started
 
     def allocate_then_fail(ctx: WorkerContext, shard: None) -> None:
+        both_running.wait()
         activations = torch.ones(256, 256)
         refs.append(weakref.ref(activations))
         raise RuntimeError("out of memory, pretend")
