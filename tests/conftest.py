@@ -10,6 +10,14 @@ import torch
 from asyncddp.testing import asyncddp_threads
 
 
+@pytest.fixture(scope="session", autouse=True)
+def torch_warmed_up() -> None:
+    """Pay torch's one-time cost of the first optimizer (it imports torch._dynamo, ~1 s) before
+    any test: tests that cancel after a fraction of a second then behave alike, run alone or
+    after others."""
+    torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+
+
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     """Every async test runs under asyncio and under trio (through anyio's pytest plugin)."""

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -375,14 +376,28 @@ async def test_async_misuse_is_a_clear_error(
     assert trainer.global_step == 0
 
 
+def _held_trainer(release: threading.Event) -> Trainer:
+    """A trainer whose steps wait for ``release``: its fit is surely running meanwhile."""
+
+    def held(model: nn.Module, batch: Any) -> torch.Tensor:
+        release.wait(10)
+        return mse(model, batch)
+
+    return Trainer(MODEL(), ADAM, held, devices=cpu_devices(1), progress_bar=False)
+
+
 @pytest.mark.anyio
 async def test_two_fits_at_once_on_one_trainer_is_a_clear_error() -> None:
-    trainer = _trainer()
+    release = threading.Event()
+    trainer = _held_trainer(release)
     async with anyio.create_task_group() as group:
-        group.start_soon(lambda: trainer.fit(make_batches(0) * 20, epochs=1))  # type: ignore[arg-type,return-value]
+        group.start_soon(lambda: trainer.fit(make_batches(0), epochs=1))  # type: ignore[arg-type,return-value]
         await anyio.sleep(0.05)
-        with pytest.raises(asyncddp.ConfigurationError, match="already running"):
-            await trainer.fit(make_batches(0), epochs=1)
+        try:
+            with pytest.raises(asyncddp.ConfigurationError, match="already running"):
+                await trainer.fit(make_batches(0), epochs=1)
+        finally:
+            release.set()
 
 
 @pytest.mark.anyio
@@ -394,7 +409,8 @@ async def test_an_optimizer_factory_that_returns_no_optimizer_is_a_clear_error()
 
 @pytest.mark.anyio
 async def test_a_refused_second_fit_leaves_the_running_fits_events_alone() -> None:
-    trainer = _trainer()
+    release = threading.Event()
+    trainer = _held_trainer(release)
     stream = trainer.events()
     seen: list[str] = []
 
@@ -404,10 +420,13 @@ async def test_a_refused_second_fit_leaves_the_running_fits_events_alone() -> No
 
     async with anyio.create_task_group() as group:
         group.start_soon(watch)
-        group.start_soon(lambda: trainer.fit(make_batches(0) * 20, epochs=1))  # type: ignore[arg-type,return-value]
+        group.start_soon(lambda: trainer.fit(make_batches(0), epochs=1))  # type: ignore[arg-type,return-value]
         await anyio.sleep(0.05)
-        with pytest.raises(asyncddp.ConfigurationError, match="already running"):
-            await trainer.fit(make_batches(0), epochs=1)
+        try:
+            with pytest.raises(asyncddp.ConfigurationError, match="already running"):
+                await trainer.fit(make_batches(0), epochs=1)
+        finally:
+            release.set()
     assert seen.count("FitEnded") == 1
     assert seen[-1] == "FitEnded"
 

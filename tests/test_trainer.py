@@ -1055,10 +1055,13 @@ async def test_an_optimizer_that_writes_grad_in_place_cannot_race_the_gather(
 
 
 class SlowSGD(torch.optim.SGD):
-    """An SGD that updates, then takes a while: a cancellation lands after the update."""
+    """An SGD that updates, says so, then takes a while: a cancellation lands after the update."""
+
+    updated = threading.Event()
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         result = super().step(closure)
+        SlowSGD.updated.set()
         import time
 
         time.sleep(0.3)
@@ -1068,6 +1071,7 @@ class SlowSGD(torch.optim.SGD):
 async def test_one_device_without_atomic_steps_cancelled_after_its_update_is_refused_again() -> (
     None
 ):
+    SlowSGD.updated.clear()
     trainer = Trainer(
         make_model(),
         functools.partial(SlowSGD, lr=0.1),
@@ -1076,8 +1080,11 @@ async def test_one_device_without_atomic_steps_cancelled_after_its_update_is_ref
         atomic_steps=False,
         progress_bar=False,
     )
-    with anyio.move_on_after(0.1):
-        await trainer.fit(make_batches([4, 4]), epochs=1)
+    async with anyio.create_task_group() as group:
+        group.start_soon(lambda: trainer.fit(make_batches([4, 4]), epochs=1))  # type: ignore[arg-type,return-value]
+        while not SlowSGD.updated.is_set():  # noqa: ASYNC110 (a worker thread sets it)
+            await anyio.sleep(0.01)
+        group.cancel_scope.cancel()
     assert trainer.global_step == 0
     with pytest.raises(asyncddp.AsyncDDPError, match="atomic_steps=False"):
         await trainer.fit(make_batches([4, 4]), epochs=1)
