@@ -71,7 +71,6 @@ class ApplyWork:
     scheduler_step: bool  # step the LR scheduler too
     apply_id: int  # tells this step from earlier ones when undoing
     unused: tuple[int, ...]  # parameters no device used in this step
-    in_place: bool = False  # the reduce-scatter summed in place (see _sync.reduce_scatter)
 
 
 @dataclass(frozen=True)
@@ -141,27 +140,18 @@ class Jobs:
             loss, metrics = loss_and_metrics(output, training=False)
         return Sums(items, float(loss) * items, {k: float(v) * items for k, v in metrics.items()})
 
-    def reduce(
-        self, ctx: WorkerContext, work: tuple[float, bool, bool, bool]
-    ) -> tuple[float, bool]:
-        scale, want_norm, want_finite, in_place = work
+    def reduce(self, ctx: WorkerContext, work: tuple[float, bool, bool]) -> tuple[float, bool]:
+        scale, want_norm, want_finite = work
         grads = [replica.grads for replica in self.replicas]
         return reduce_scatter(
-            grads,
-            ctx.device.index,
-            scale,
-            want_norm=want_norm,
-            want_finite=want_finite,
-            in_place=in_place,
+            grads, ctx.device.index, scale, want_norm=want_norm, want_finite=want_finite
         )
 
     def apply(self, ctx: WorkerContext, work: ApplyWork) -> float | None:
         """All-gather the reduced gradients, then take the optimizer step."""
         index = ctx.device.index
         replica = self.replicas[index]
-        all_gather(
-            [r.grads for r in self.replicas], index, work.coefficient, in_place=work.in_place
-        )
+        all_gather([r.grads for r in self.replicas], index, work.coefficient)
         if work.atomic:
             replica.backup.capture(replica.params, replica.optimizer, replica.scheduler)
         for unused in work.unused:

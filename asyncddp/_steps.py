@@ -319,8 +319,7 @@ class Steps:
         want_norm = self.gradient_clip_val is not None
         finite, norm = True, 0.0
         if n > 1 or scale != 1.0 or want_norm or self._scaler is not None:
-            # Through scratch buffers: see _sync.reduce_scatter for why not in place.
-            checks = (scale, want_norm, self._scaler is not None, False)
+            checks = (scale, want_norm, self._scaler is not None)
             reduced = await self._run_all(jobs.reduce, checks, phase="reduce")
             norm = math.sqrt(sum(norm_sq for norm_sq, _ in reduced.outputs))
             finite = all(ok for _, ok in reduced.outputs)
@@ -342,7 +341,6 @@ class Steps:
             self.lr_scheduler_interval == "step",
             self._apply_id,
             unused,
-            in_place=False,
         )
         try:
             applied = await self._run_all(jobs.apply, work, phase="optimizer", shield=True)

@@ -101,16 +101,14 @@ def reduce_scatter(
     *,
     want_norm: bool,
     want_finite: bool = False,
-    in_place: bool = False,
 ) -> tuple[float, bool]:
     """Step 1 on worker ``index``: sum chunk ``index`` of every replica.
 
     The sum goes to a scratch buffer that peers read in the all-gather, while each owner may
     already be stepping its optimizer: optimizers may write ``.grad`` in place (SGD with
     Nesterov momentum does, with ``foreach``), so peers must never read another replica's live
-    ``.grad`` in that step. ``in_place`` sums into this replica's own chunk instead, fewer bytes
-    moved, and is only safe when no peer reads it while the owner steps (a single replica; a
-    trial with peers raced and was reverted).
+    ``.grad`` in that step (summing in place into the owner's chunk was tried and raced). A
+    single replica has no peers, and scales its own buffers in place.
 
     Returns the squared norm of the reduced chunk (0.0 unless ``want_norm``) and whether it is
     all finite (True unless ``want_finite``): each is one more pass over the chunk, so only
@@ -120,15 +118,10 @@ def reduce_scatter(
     norm_sq = 0.0
     finite = True
     for b, scratch in enumerate(own.scratch):
-        if len(replicas) == 1 or in_place:
-            target = own.chunk(b, index)
-            device = target.device
-            for owner, other in enumerate(replicas):
-                if owner != index:
-                    target.add_(other.chunk(b, index).to(device, non_blocking=True))
+        if len(replicas) == 1:
+            scratch = own.buffers[b]
             if scale != 1.0:
-                target.mul_(scale)
-            scratch = target
+                scratch.mul_(scale)
         else:
             device = scratch.device
             torch.add(
@@ -149,30 +142,17 @@ def reduce_scatter(
     return norm_sq, finite
 
 
-def all_gather(
-    replicas: Sequence[FlatGrads], index: int, coefficient: float, *, in_place: bool = False
-) -> None:
-    """Step 2 on worker ``index``: fill its buffers from every owner's reduced chunk.
-
-    In place (see :func:`reduce_scatter`) it copies the other owners' chunks, which they
-    reduced in their own buffers; otherwise it copies every owner's scratch, times
-    ``coefficient``.
-    """
+def all_gather(replicas: Sequence[FlatGrads], index: int, coefficient: float) -> None:
+    """Step 2 on worker ``index``: fill its buffers from every owner's scratch, scaled."""
     own = replicas[index]
     if len(replicas) == 1:
         if coefficient != 1.0:
             for buffer in own.buffers:
                 buffer.mul_(coefficient)
         return
-    if in_place and coefficient != 1.0:
-        raise ValueError("an in-place all-gather cannot scale; reduce to scratch to clip")
     for b in range(len(own.buffers)):
         for owner, replica in enumerate(replicas):
             target = own.chunk(b, owner)
-            if in_place:
-                if owner != index:
-                    target.copy_(replica.chunk(b, owner).to(target.device, non_blocking=True))
-                continue
             source = replica.scratch[b].to(target.device, non_blocking=True)
             if coefficient != 1.0:
                 torch.mul(source, coefficient, out=target)
