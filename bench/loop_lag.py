@@ -22,7 +22,7 @@ import statistics
 import time
 
 import torch
-from throughput import SGD, make_batches, mlp, step
+from throughput import SGD, make_batches, mlp, step, train
 
 import asyncddp
 
@@ -66,10 +66,7 @@ async def train_blocking(batches: list[object], epochs: int) -> None:
     model = mlp()
     optimizer = SGD(model.parameters())
     for _ in range(epochs):
-        for batch in batches:  # no await: the loop is blocked for the whole run
-            optimizer.zero_grad()
-            step(model, batch).backward()
-            optimizer.step()
+        train(model, optimizer, batches)  # no await: the loop is blocked for the whole run
 
 
 def describe(name: str, lags: list[float]) -> str:

@@ -81,19 +81,21 @@ def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
 SGD = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
 
 
-def plain(make: Callable[[], nn.Module], batches: list[Any]) -> float:
-    torch.manual_seed(0)
-    model = make()
-    optimizer = SGD(model.parameters())
-    for batch in batches[:3]:  # warm-up
-        optimizer.zero_grad()
-        step(model, batch).backward()
-        optimizer.step()
-    start = time.perf_counter()
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any]) -> None:
+    """The plain PyTorch loop."""
     for batch in batches:
         optimizer.zero_grad()
         step(model, batch).backward()
         optimizer.step()
+
+
+def plain(make: Callable[[], nn.Module], batches: list[Any]) -> float:
+    torch.manual_seed(0)
+    model = make()
+    optimizer = SGD(model.parameters())
+    train(model, optimizer, batches[:3])  # warm-up
+    start = time.perf_counter()
+    train(model, optimizer, batches)
     return len(batches) * BATCH / (time.perf_counter() - start)
 
 
@@ -129,16 +131,10 @@ def _ddp_rank(
         model = DistributedDataParallel(WORKLOADS[workload][0]())
         optimizer = SGD(model.parameters())
         batches = [(x[rank::2], y[rank::2]) for x, y in make_batches(shape, steps)]
-        for batch in batches[:3]:
-            optimizer.zero_grad()
-            step(model, batch).backward()
-            optimizer.step()
+        train(model, optimizer, batches[:3])  # warm-up
         dist.barrier()
         start = time.perf_counter()
-        for batch in batches:
-            optimizer.zero_grad()
-            step(model, batch).backward()
-            optimizer.step()
+        train(model, optimizer, batches)
         dist.barrier()
         if rank == 0:
             results.put(len(batches) * BATCH / (time.perf_counter() - start))
