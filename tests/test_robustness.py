@@ -387,20 +387,6 @@ def _held_trainer(release: threading.Event) -> Trainer:
 
 
 @pytest.mark.anyio
-async def test_two_fits_at_once_on_one_trainer_is_a_clear_error() -> None:
-    release = threading.Event()
-    trainer = _held_trainer(release)
-    async with anyio.create_task_group() as group:
-        group.start_soon(lambda: trainer.fit(make_batches(0), epochs=1))  # type: ignore[arg-type,return-value]
-        await anyio.sleep(0.05)
-        try:
-            with pytest.raises(asyncddp.ConfigurationError, match="already running"):
-                await trainer.fit(make_batches(0), epochs=1)
-        finally:
-            release.set()
-
-
-@pytest.mark.anyio
 async def test_an_optimizer_factory_that_returns_no_optimizer_is_a_clear_error() -> None:
     trainer = Trainer(MODEL(), lambda params: None, mse, devices=cpu_devices(2), progress_bar=False)
     with pytest.raises(asyncddp.ConfigurationError, match="returned NoneType"):
