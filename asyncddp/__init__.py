@@ -15,6 +15,9 @@ Layers, bottom up (each module uses only those above it in this list):
 - ``_replica``: one device's replica and the jobs its worker runs.
 - ``_events``: typed events and bounded event streams.
 - ``_checkpoint``: atomic checkpoints and RNG state.
+- ``distributed``: joining a ``torch.distributed`` process group (public, ``asyncddp.distributed``).
+- ``_comm``: what the ranks of a process group exchange, and how a failed rank is heard of.
+- ``_ranks``: each rank's part of the data.
 - ``_trainer``: ``Trainer``: fit, validate, stop, events, checkpoints.
 - ``testing``: helpers for users' own tests (public, imported as ``asyncddp.testing``).
 """

@@ -20,14 +20,15 @@ from typing import Any
 import anyio
 from tqdm.auto import tqdm
 
-from . import _checkpoint
+from . import _checkpoint, _comm
 from ._data import items_in, items_total, pin
+from ._dsteps import DistributedSteps
 from ._events import EpochEnded, StepEnded, ValidationEnded
 from ._exceptions import DataError
 from ._jobs import Jobs, Sums
 from ._loader import Prefetcher
 from ._progress import ProgressTracker
-from ._steps import Steps, Window, shard_items
+from ._steps import Window, shard_items
 
 __all__ = ["EpochRecord", "Epochs"]
 
@@ -46,7 +47,7 @@ class EpochRecord:
     seconds: float
 
 
-class Epochs(Steps):
+class Epochs(DistributedSteps):
     """The epoch loop of :class:`Trainer` (a mixin: the trainer owns the state)."""
 
     epoch: int
@@ -94,8 +95,13 @@ class Epochs(Steps):
         started = time.perf_counter() - self._epoch_seconds
         window, pending, seen, exhausted = Window(), [], 0, True
         bar = self._progress_bar(epoch, epochs, total, tracker.progress.items_processed)
+        self._last_global = None
+
+        async def step(window: Window) -> None:
+            await self._step(window, epoch, True, tracker, tracked, bar)
+
         try:
-            async with self._prefetcher(data, "train_data") as batches:
+            async with self._prefetcher(self._rank_data(data, epoch), "train_data") as batches:
                 async for batch in batches:
                     if resume_rng is not None:
                         _checkpoint.restore_rng(resume_rng)  # the loader has drawn its seed
@@ -114,9 +120,11 @@ class Epochs(Steps):
                     await self._step(window, epoch, final, tracker, tracked, bar)
                     if final:
                         window = Window()
-                        if self._stop_reason is not None:
+                        if self._should_stop():
                             # Stopped: the epoch is over only if the data is used up too.
                             exhausted = await anext(batches, None) is None
+                            if self._distributed():
+                                exhausted = await self._all_exhausted(exhausted)
                             break
                 else:
                     if resume_rng is not None:
@@ -124,13 +132,15 @@ class Epochs(Steps):
                     if pending:
                         window.batches.append(pending)
                     if window.batches:
-                        await self._step(window, epoch, True, tracker, tracked, bar)
+                        await step(window)
+                    if self._distributed():
+                        exhausted = await self._drain(step)
         finally:
             bar.close()
             self._epoch_seconds = time.perf_counter() - started
         if not exhausted:
             return False
-        if seen == 0:
+        if (self._epoch_sums.items == 0) if self._distributed() else (seen == 0):
             raise DataError("train_data yielded no batches; give at least one batch per epoch")
         self._epoch_trained = True
         record = self._epoch_record(epoch)
@@ -225,8 +235,8 @@ class Epochs(Steps):
             self.epoch += 1
             self._batches_done, self._epoch_rng, self._epoch_trained = 0, None, False
             self._epoch_sums, self._epoch_items, self._epoch_seconds = Sums(), {}, 0.0
-        if self.checkpoint_dir is not None:
-            await self._save_epoch_checkpoint()
+        if self.checkpoint_dir is not None and (self._comm is None or self._comm.rank == 0):
+            await self._save_epoch_checkpoint()  # across ranks: rank 0 writes
         return record
 
     async def _validate(self, data: Iterable[Any], *, epoch: int | None) -> dict[str, float]:
@@ -236,7 +246,7 @@ class Epochs(Steps):
             replica.model.eval()
         totals, items, pending = Sums(), 0, []
         try:
-            async with self._prefetcher(data, "valid_data") as batches:
+            async with self._prefetcher(self._rank_data(data, 0), "valid_data") as batches:
                 async for batch in batches:
                     pending.append(batch)
                     if len(pending) == (1 if self.split_batches else len(self.devices)):
@@ -247,6 +257,10 @@ class Epochs(Steps):
         finally:
             for replica, mode in zip(self._replicas, modes, strict=True):
                 replica.model.train(mode)
+        if self._distributed():  # exact over every rank's items
+            result = await self._exchange(_comm.VALIDATION, totals)
+            totals = Sums(result.items, result.loss, dict(result.metrics))
+            items = result.items
         if items == 0:
             raise DataError("valid_data yielded no items; give at least one batch")
         metrics = {"loss": totals.loss / items, **{k: v / items for k, v in totals.metrics.items()}}
@@ -275,6 +289,7 @@ class Epochs(Steps):
 
     def _progress_bar(self, epoch: int, epochs: int, total: int | None, done: int) -> Any:
         enabled = self.progress_bar if self.progress_bar is not None else _interactive()
+        enabled = enabled and (self._comm is None or self._comm.rank == 0)  # one bar, rank 0's
         return tqdm(
             total=total,
             initial=done,

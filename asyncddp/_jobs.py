@@ -10,18 +10,29 @@ import contextlib
 import copy
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from . import _comm
+from ._comm import Comm, Global
 from ._data import move_to
 from ._replica import Replica, StepFunction, loss_and_metrics
 from ._sync import all_gather, reduce_scatter
 from ._worker import WorkerContext
 
-__all__ = ["ApplyWork", "FusedWork", "Jobs", "NonFiniteLoss", "Sums", "TrainWork"]
+__all__ = [
+    "ApplyWork",
+    "ExchangeWork",
+    "FusedWork",
+    "Jobs",
+    "NonFiniteLoss",
+    "Sums",
+    "TrainWork",
+    "exchange_gradients",
+]
 
 
 class NonFiniteLoss(Exception):
@@ -81,6 +92,16 @@ class FusedWork:
     scale: float  # applied to the gradients before the step (accumulation)
     clip: float | None  # gradient_clip_val
     apply: ApplyWork  # its coefficient and unused parameters are worked out in the job
+
+
+@dataclass(frozen=True)
+class ExchangeWork:
+    """What a step's exchange needs, from the event loop."""
+
+    active: bool  # this rank brought data to this step
+    clip: float | None
+    loss_scale: float | None  # fp16: the loss scale to undo, and check finiteness
+    stop: Callable[[], bool]  # read when the exchange starts
 
 
 class Jobs:
@@ -192,6 +213,35 @@ class Jobs:
             raise
         return sums, lr
 
+    def distributed_step(
+        self,
+        ctx: WorkerContext,
+        train: TrainWork,
+        earlier: Sums,
+        apply: ApplyWork,
+        exchange: ExchangeWork,
+        comm: Comm,
+    ) -> tuple[Global, float | None]:
+        """One device per rank: forward, backward, the exchange and the step in one job."""
+        local = Sums()
+        local.add(earlier)
+        local.add(self.train(ctx, train))
+        replica = self.replicas[ctx.device.index]
+        used = [bool(local.used >> i & 1) for i in range(len(replica.params))]
+        result, coefficient, _ = exchange_gradients(
+            comm, local, used, replica.grads.buffers, exchange
+        )
+        if result.items == 0:  # no rank had data: no step
+            return result, replica.lr()
+        unused = tuple(i for i, used_anywhere in enumerate(result.used) if not used_anywhere)
+        try:
+            lr = self.apply(ctx, dataclasses.replace(apply, coefficient=coefficient, unused=unused))
+        except BaseException as exc:
+            with contextlib.suppress(Exception):  # tells the trainer which phase failed
+                exc._asyncddp_phase = "optimizer"  # type: ignore[attr-defined]
+            raise
+        return result, lr
+
     def abandon(self, ctx: WorkerContext, apply_id: int | None) -> None:
         """Undo an unfinished step: its optimizer step (if taken), its forwards, its gradients."""
         replica = self.replicas[ctx.device.index]
@@ -248,3 +298,36 @@ def to_cpu(value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(to_cpu(item) for item in value)
     return value
+
+
+def exchange_gradients(
+    comm: Comm,
+    local: Sums,
+    used: list[bool],
+    buckets: list[torch.Tensor],
+    work: ExchangeWork,
+) -> tuple[Global, float, bool]:
+    """The step's exchange (blocking): the header, then the gradients if any rank had data.
+
+    Returns the global sums, the coefficient to multiply the summed gradients by (the mean
+    over items, the loss scale undone, clipping), and whether they are all finite.
+    """
+    result = comm.header(
+        _comm.STEP,
+        items=local.items,
+        loss=local.loss,
+        metrics=local.metrics,
+        active=work.active,
+        stop=work.stop(),
+        used=used,
+    )
+    if result.items == 0:
+        return result, 1.0, True
+    comm.all_reduce_buckets(buckets)
+    scale = 1.0 / result.items
+    if work.loss_scale is not None:
+        scale /= work.loss_scale
+    coefficient, finite = _comm.clip_and_scale(
+        buckets, scale, work.clip, want_finite=work.loss_scale is not None
+    )
+    return result, coefficient, finite

@@ -51,6 +51,8 @@ class Resumable(Epochs):
             "history": [_record_dict(record) for record in self.history],
             "loss_scaler": self._scaler.state_dict() if self._scaler is not None else None,
             "devices": [device.name for device in self.devices],
+            "data_seed": self._data_seed,
+            "world_size": self._comm.world_size if self._comm is not None else 1,
         }
 
     def _adopt(self, state: Mapping[str, Any]) -> None:
@@ -66,6 +68,8 @@ class Resumable(Epochs):
         self.history = [EpochRecord(**record) for record in state.get("history", [])]
         if self._scaler is not None and state.get("loss_scaler"):
             self._scaler.load_state_dict(state["loss_scaler"])
+        if state.get("data_seed") is not None:
+            self._data_seed = int(state["data_seed"])
         if state.get("rng") is not None:
             _checkpoint.restore_rng(state["rng"])
         self._window_open = True  # whatever was half done is undone at the next session start
@@ -91,6 +95,15 @@ class Resumable(Epochs):
         await anyio.to_thread.run_sync(_checkpoint.save, state, path)
         _log.info("checkpoint saved: %s", path)
         self._hub.publish(CheckpointSaved(str(path), self.epoch, self.global_step))
+
+    async def _resume_state(self, resume: str | os.PathLike[str]) -> dict[str, Any]:
+        """The state to resume from: across ranks, rank 0 reads it and sends it to every rank."""
+        comm = self._comm
+        if comm is None:
+            return await self._read_checkpoint(resume)
+        state = await self._read_checkpoint(resume) if comm.rank == 0 else None
+        shared: dict[str, Any] = await anyio.to_thread.run_sync(comm.share, state)
+        return shared
 
     async def _read_checkpoint(self, resume: str | os.PathLike[str]) -> dict[str, Any]:
         if str(resume) == "latest":

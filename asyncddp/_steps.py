@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._comm import PeerFailed, RankLost
 from ._data import items_in, split_batch
 from ._devices import Device, resolve_devices
 from ._events import DeviceDropped, EventHub, StepRetried, WorkerFailed
@@ -95,6 +96,12 @@ class Steps:
     def _jobs(self) -> Jobs:
         raise NotImplementedError
 
+    def _distributed(self) -> bool:
+        return False
+
+    async def _distributed_step(self, window: Window, epoch: int) -> float | None:
+        raise NotImplementedError
+
     def _new_scheduler(self) -> StepScheduler:
         raise NotImplementedError
 
@@ -127,6 +134,8 @@ class Steps:
     def _shards(self, batches: list[Any]) -> list[Any]:
         """One shard per device: a split batch, or whole batches (None for a device without)."""
         n = len(self.devices)
+        if not batches:  # a rank out of data, joining a step of the others
+            return [None] * n
         if self.split_batches:
             return split_batch(batches[0], n)
         return batches + [None] * (n - len(batches))
@@ -139,6 +148,8 @@ class Steps:
         attempt = 0
         while True:
             try:
+                if final and self._distributed():
+                    return await self._distributed_step(window, epoch)
                 if final and self._fusable(window):
                     return await self._fused_step(window, epoch)
                 await self._forward_backward(window, epoch)
@@ -157,6 +168,9 @@ class Steps:
         self, error: WorkerFailedError, window: Window, epoch: int, attempt: int
     ) -> None:
         """Apply the failure policy: raise, or undo and get ``window`` ready to run again."""
+        if isinstance(error.__cause__, (PeerFailed, RankLost)):
+            await self._abandon_quietly()
+            raise error  # another rank's failure: the trainer names it
         if isinstance(error.__cause__, StepOutputError):
             await self._abandon_quietly()
             raise error.__cause__ from None  # a mistake in the step, not a device fault
@@ -220,9 +234,9 @@ class Steps:
             shards = self._shards(window.batches[window.done])
             counts = [shard_items(shard) for shard in shards]
             total = sum(counts)
-            if self.accumulate_grad_batches == 1:
+            if self.accumulate_grad_batches == 1 and not self._distributed():
                 weights = [scale * n / total if total else 0.0 for n in counts]
-            else:  # the window's item count is known only at its end: divide then
+            else:  # the step's item count is known only at its end (or on every rank): then
                 weights = [scale * n for n in counts]
             opens = window.done == 0
             if opens:

@@ -36,7 +36,7 @@ import anyio
 import torch
 from torch import nn
 
-from . import _checkpoint
+from . import _checkpoint, _comm, distributed
 from ._data import items_total
 from ._devices import Device, DeviceSpec, resolve_devices
 from ._epochs import EpochRecord
@@ -179,7 +179,7 @@ class Trainer(Resumable):
         _check(prefetch >= 1, "prefetch must be >= 1")
         _check(step_timeout is None or step_timeout > 0, "step_timeout must be > 0 or None")
         _check(threads_per_worker is None or threads_per_worker >= 1, "threads_per_worker >= 1")
-        self.devices: tuple[Device, ...] = resolve_devices(devices)
+        self.devices: tuple[Device, ...] = resolve_devices(_rank_devices(devices))
         self._autocast = autocast_dtype(precision)
         self._scaler = LossScaler() if self._autocast is torch.float16 else None
         self.precision = precision
@@ -226,6 +226,11 @@ class Trainer(Resumable):
         self._consistent = True
         self._apply_id = 0
         self._step_lock: anyio.Lock | None = None
+        # Across processes (asyncddp.distributed): the process group, once joined.
+        self._comm: _comm.Comm | None = None
+        self._last_global: _comm.Global | None = None  # the last exchange's sums
+        self._stop_agreed = False  # every rank knows of a stop() (only then do they stop)
+        self._data_seed: int | None = None  # how the ranks shuffle alike
 
     def __repr__(self) -> str:
         names = ", ".join(device.name for device in self.devices)
@@ -253,7 +258,10 @@ class Trainer(Resumable):
         return self._hub.subscribe(maxlen)
 
     def _stopping(self) -> bool:
-        return self._stop_reason is not None
+        return self._should_stop()
+
+    def _source_model(self) -> nn.Module:
+        return self._source
 
     def stop(self, reason: str = "stop() was called") -> None:
         """End the running ``fit`` at the next optimizer step boundary; it returns normally.
@@ -308,13 +316,15 @@ class Trainer(Resumable):
         await self._wait_for_checkpoint_session()
         self._refuse_if_running()  # before the try: a running fit's event streams stay open
         self._stop_reason = None
+        self._stop_agreed = False
         history: list[EpochRecord] = []
         started = time.perf_counter()
         try:
             if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
                 raise ConfigurationError(f"epochs must be an int >= 1, got {epochs!r}")
+            await self._join()
             if resume is not None:
-                self._adopt(await self._read_checkpoint(resume))
+                self._adopt(await self._resume_state(resume))
             async with self._session("fit"):
                 self._hub.publish(
                     FitStarted(
@@ -330,10 +340,16 @@ class Trainer(Resumable):
                     history.append(await self._end_epoch(valid_data))
                     if self._stopping():
                         break
+                if self._comm is not None:  # the ranks end together; a late failure is heard
+                    await self._exchange(_comm.FIT_END)
         except BaseException as error:
-            self._hub.publish(FitEnded(self.epoch, self.global_step, False, error=_describe(error)))
+            raised = await self._across_ranks(error)
+            ended = FitEnded(self.epoch, self.global_step, False, error=_describe(raised))
+            self._hub.publish(ended)
+            if raised is not error:
+                raise raised from raised.__cause__
             raise
-        stopped = self._stop_reason is not None
+        stopped = self._stopping()
         self._hub.publish(FitEnded(self.epoch, self.global_step, stopped, self._stop_reason))
         seconds = time.perf_counter() - started
         items = sum(record.items for record in history)
@@ -354,8 +370,15 @@ class Trainer(Resumable):
         as they were.
         """
         await self._wait_for_checkpoint_session()
-        async with self._session("validate"):
-            return await self._validate(data, epoch=None)
+        try:
+            await self._join()
+            async with self._session("validate"):
+                return await self._validate(data, epoch=None)
+        except BaseException as error:
+            raised = await self._across_ranks(error)
+            if raised is not error:
+                raise raised from raised.__cause__
+            raise
 
     async def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
         """Write the training state to ``path`` atomically; safe while ``fit`` runs.
@@ -476,6 +499,15 @@ class Trainer(Resumable):
         return Jobs(
             self._replicas, self._step_fn, self._valid_step_fn, self._autocast, self.check_finite
         )
+
+
+def _rank_devices(devices: DeviceSpec) -> DeviceSpec:
+    """``"auto"`` in a process group with GPUs: this process's GPU, ``cuda:LOCAL_RANK``."""
+    if isinstance(devices, str) and devices == "auto" and distributed.is_initialized():
+        count = torch.cuda.device_count()
+        if count:
+            return f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % count}"
+    return devices
 
 
 def _check(condition: bool, message: str) -> None:

@@ -1,0 +1,425 @@
+"""What the ranks of a ``torch.distributed`` process group tell each other, and when.
+
+Every exchange between ranks starts with one small all-reduce, the *header*: a float64 vector
+that every rank fills in the same layout and that sums to the same totals on every rank::
+
+    kind | items | loss sum | active | failed | stop | new names | used[P] | metric sums[M]
+
+``kind`` says which exchange this is (a step, the end of validation, ...); ``items``, ``loss``
+and the metric sums are sums over every device of every rank, which makes the gradient weights,
+the step's loss and the validation metrics exact; ``active`` counts the ranks that brought data
+(uneven data never hangs: a rank out of data keeps joining with zero items until none is
+active); ``failed`` counts the ranks that are raising; ``stop`` the ranks where ``stop()`` was
+called; ``used[p]`` how many ranks gave parameter ``p`` a gradient.
+
+What follows the header depends on it, and every rank knows the same header:
+
+- ``failed > 0``: every rank gathers the failures (one ``all_gather_object``) and raises. A rank
+  whose step raised sends its failure in the header of whatever exchange the others are in, so
+  they raise within one collective's latency, not after the process group's timeout.
+- ``new names > 0``: some rank's step returned a metric not seen before: every rank gathers the
+  names, adds them to its registry in the same order, and sums this exchange's values for them.
+- a step: the gradient buckets, one asynchronous all-reduce each, awaited together.
+
+A rank that dies (SIGKILL, out of memory) breaks the collective: gloo fails at once on every
+rank that talks to it. The survivors then find out who is gone through the process group's
+store (each writes that it is alive; whoever does not within a few seconds is named).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import pickle
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._devices import Device
+from ._exceptions import ConfigurationError, WorkerFailedError
+
+__all__ = ["Comm", "Failure", "Global", "PeerFailed", "RankLost"]
+
+# Exchange kinds.
+STEP, VALIDATION, STOP_CHECK, FIT_END, SETUP = 1, 2, 3, 4, 5
+_KIND, _ITEMS, _LOSS, _ACTIVE, _FAILED, _STOP, _NEW = range(7)
+_FIXED = 7
+
+#: Gradient all-reduces are issued in buckets of at most this many bytes (as DDP's 25 MB).
+BUCKET_BYTES = 25 * 1024 * 1024
+
+#: How long survivors wait for each other's sign of life after a collective broke.
+ALIVE_WAIT = 5.0
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One rank's failure, as the other ranks learn of it (picklable)."""
+
+    rank: int
+    device: Device
+    error_type: str
+    error_message: str
+    step: int | None
+    epoch: int | None
+    phase: str | None
+    cause: bytes | None  # the original exception, pickled, when it pickles
+
+    def error(self) -> WorkerFailedError:
+        """A :class:`WorkerFailedError` naming this failure's rank and device."""
+        error = WorkerFailedError(
+            device=self.device,
+            rank=self.rank,
+            error_type=self.error_type,
+            error_message=self.error_message,
+            step=self.step,
+            epoch=self.epoch,
+            phase=self.phase,
+        )
+        cause: BaseException | None = None
+        if self.cause is not None:
+            try:
+                loaded = pickle.loads(self.cause)
+            except Exception:
+                loaded = None
+            cause = loaded if isinstance(loaded, BaseException) else None
+        error.__cause__ = cause if cause is not None else RemoteError(self)
+        return error
+
+
+class RemoteError(Exception):
+    """Stands for an exception raised on another rank that could not be sent (unpicklable)."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(f"{failure.error_type}: {failure.error_message} (on rank {failure.rank})")
+
+
+class PeerFailed(Exception):
+    """Raised on every rank of an exchange in which some rank announced a failure."""
+
+    def __init__(self, failures: Sequence[Failure]) -> None:
+        self.failures = tuple(failures)
+        super().__init__("; ".join(f"rank {f.rank}: {f.error_type}" for f in self.failures))
+
+
+class RankLost(Exception):
+    """A collective broke because a rank is gone (killed, crashed, or its host lost)."""
+
+    def __init__(self, ranks: Sequence[int], devices: Sequence[Device], reason: str) -> None:
+        self.ranks = tuple(ranks)
+        self.devices = tuple(devices)
+        self.reason = reason
+        who = ", ".join(str(rank) for rank in self.ranks) or "unknown"
+        super().__init__(f"lost rank {who}: {reason}")
+
+
+@dataclass
+class Global:
+    """An exchange's header, summed over every rank."""
+
+    items: int = 0
+    loss: float = 0.0
+    active: int = 0
+    stop: int = 0
+    used: list[bool] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def describe(error: BaseException, rank: int, device: Device, **where: Any) -> Failure:
+    """What this rank tells the others about ``error``."""
+    cause: BaseException = error
+    if isinstance(error, WorkerFailedError):
+        device = error.device
+        where = {"step": error.step, "epoch": error.epoch, "phase": error.phase}
+        cause = error.__cause__ if error.__cause__ is not None else error
+        error_type, message = error.error_type, error.error_message
+    else:
+        error_type = _type_name(type(error))
+        message = _message(error) or ("the fit was cancelled" if _cancelled(error) else "")
+    try:
+        pickled: bytes | None = pickle.dumps(cause)
+        pickle.loads(pickle.dumps(cause))  # some exceptions pickle but cannot be rebuilt
+    except Exception:
+        pickled = None
+    return Failure(
+        rank,
+        device,
+        error_type,
+        message,
+        where.get("step"),
+        where.get("epoch"),
+        where.get("phase"),
+        pickled,
+    )
+
+
+class Comm:
+    """This process's view of the default process group, for one trainer.
+
+    Args:
+        devices: This rank's devices.
+        params: How many trainable parameters the model has (the header's ``used`` part).
+        fingerprint: What must be the same on every rank (model shapes, options); checked once.
+    """
+
+    def __init__(self, devices: Sequence[Device], params: int, fingerprint: str) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigurationError("no torch.distributed process group is initialized")
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.backend = str(dist.get_backend())
+        self.devices = tuple(devices)
+        self.params = params
+        self.names: list[str] = []  # metric names, in the same order on every rank
+        self.rank_devices: list[tuple[Device, ...]] = []
+        self.data_seed = 0
+        self.announced = False
+        self._incident = 0
+        self._fingerprint = fingerprint
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Learn every rank's devices, agree on a data seed, check the ranks agree (blocking)."""
+        self.header(SETUP)  # a rank that fails before this point is heard of here
+        mine = (self.devices, self._fingerprint, int(torch.randint(0, 2**62, ()).item()))
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        self.rank_devices = [tuple(devices) for devices, _, _ in gathered]
+        self.data_seed = int(gathered[0][2])
+        different = [r for r, (_, fp, _) in enumerate(gathered) if fp != gathered[0][1]]
+        if different:
+            raise ConfigurationError(
+                f"ranks {different} build a different trainer from rank 0 (model parameter "
+                f"shapes or options differ: {gathered[different[0]][1]} vs {gathered[0][1]}); "
+                "every rank must run the same model and Trainer arguments"
+            )
+
+    # -- the header --------------------------------------------------------------------------
+
+    def header(
+        self,
+        kind: int,
+        *,
+        items: int = 0,
+        loss: float = 0.0,
+        metrics: dict[str, float] | None = None,
+        active: bool = False,
+        stop: bool = False,
+        used: Sequence[bool] | None = None,
+    ) -> Global:
+        """One exchange's header (blocking). Raises :class:`PeerFailed` if a rank failed."""
+        metrics = metrics or {}
+        new = [name for name in metrics if name not in self.names]
+        values = self._fill(kind, items, loss, metrics, active, stop, used, failed=False, new=new)
+        self._all_reduce(values)
+        if values[_FAILED] > 0:
+            raise PeerFailed(self._gather_failures(None))
+        got = round(float(values[_KIND]))
+        if got != kind * self.world_size:
+            raise ConfigurationError(
+                f"the ranks are out of step: exchange {kind} here, others elsewhere ({got}); "
+                "every rank must call fit() with the same arguments"
+            )
+        if values[_NEW] > 0:
+            values = torch.cat([values, self._register(new, metrics)])
+        n = self.params
+        return Global(
+            items=round(float(values[_ITEMS])),
+            loss=float(values[_LOSS]),
+            active=round(float(values[_ACTIVE])),
+            stop=round(float(values[_STOP])),
+            used=[bool(v > 0) for v in values[_FIXED : _FIXED + n].tolist()],
+            metrics={
+                name: float(v)
+                for name, v in zip(self.names, values[_FIXED + n :].tolist(), strict=True)
+            },
+        )
+
+    def _fill(
+        self,
+        kind: int,
+        items: int,
+        loss: float,
+        metrics: dict[str, float],
+        active: bool,
+        stop: bool,
+        used: Sequence[bool] | None,
+        *,
+        failed: bool,
+        new: Sequence[str],
+    ) -> torch.Tensor:
+        values = torch.zeros(_FIXED + self.params + len(self.names), dtype=torch.float64)
+        fixed = [kind, items, loss, float(active), float(failed), float(stop), float(bool(new))]
+        values[:_FIXED] = torch.tensor(fixed, dtype=torch.float64)
+        if used is not None:
+            values[_FIXED : _FIXED + self.params] = torch.tensor(
+                [float(u) for u in used], dtype=torch.float64
+            )
+        for i, name in enumerate(self.names):
+            values[_FIXED + self.params + i] = metrics.get(name, 0.0)
+        return values
+
+    def _register(self, new: list[str], metrics: dict[str, float]) -> torch.Tensor:
+        """Add the metric names some rank saw first; returns their sums for this exchange."""
+        gathered: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(gathered, new)
+        except RuntimeError as error:
+            raise self.lost(error) from error
+        added = sorted({name for names in gathered for name in names} - set(self.names))
+        extra = torch.tensor([metrics.get(name, 0.0) for name in added], dtype=torch.float64)
+        if added:
+            self._all_reduce(extra)
+        self.names.extend(added)
+        return extra
+
+    def share(self, value: Any) -> Any:
+        """Rank 0's ``value``, on every rank (blocking)."""
+        self.header(SETUP)  # if rank 0 failed to make it, every rank hears of it here
+        box = [value]
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except RuntimeError as error:
+            raise self.lost(error) from error
+        return box[0]
+
+    # -- gradients ---------------------------------------------------------------------------
+
+    def all_reduce_buckets(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Sum ``tensors`` over the ranks in place, in buckets of at most ``BUCKET_BYTES``."""
+        works = []
+        try:
+            for tensor in tensors:
+                per = max(1, BUCKET_BYTES // tensor.element_size())
+                for bucket in torch.split(tensor, per):
+                    works.append(dist.all_reduce(bucket, async_op=True))
+            for work in works:
+                work.wait()
+        except RuntimeError as error:
+            raise self.lost(error) from error
+        if tensors and tensors[0].is_cuda:
+            torch.cuda.synchronize(tensors[0].device)  # NCCL runs on streams of its own
+
+    # -- failures ----------------------------------------------------------------------------
+
+    def announce(self, failure: Failure, timeout: float) -> list[Failure]:
+        """Tell the others this rank is raising; returns every rank's failure (blocking).
+
+        The others meet it in whatever exchange they are in. If none comes within ``timeout``
+        seconds (they have all finished), gives up and returns this rank's failure alone.
+        """
+        self.announced = True
+        values = self._fill(0, 0, 0.0, {}, False, False, None, failed=True, new=())
+        try:
+            work = dist.all_reduce(values, async_op=True)
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+            return self._gather_failures(failure)
+        except RuntimeError:
+            return [failure]
+
+    def _gather_failures(self, mine: Failure | None) -> list[Failure]:
+        gathered: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(gathered, mine)
+        except RuntimeError as error:
+            raise self.lost(error) from error
+        return [f for f in gathered if isinstance(f, Failure)]
+
+    def _all_reduce(self, values: torch.Tensor) -> None:
+        tensor = values.to(self.devices[0].torch_device) if self.backend == "nccl" else values
+        try:
+            dist.all_reduce(tensor)
+        except RuntimeError as error:
+            raise self.lost(error) from error
+        if tensor is not values:
+            values.copy_(tensor.cpu())
+
+    def lost(self, error: BaseException) -> RankLost:
+        """Find out which ranks are gone, after ``error`` broke a collective (blocking)."""
+        self._incident += 1
+        if self.world_size == 2:
+            other = 1 - self.rank
+            return RankLost([other], self.rank_devices_of(other), _message(error))
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            prefix = f"asyncddp/alive/{self._incident}/"
+            store.set(prefix + str(self.rank), "1")
+            deadline = time.monotonic() + ALIVE_WAIT
+            missing = list(range(self.world_size))
+            while missing and time.monotonic() < deadline:
+                missing = [r for r in missing if not store.check([prefix + str(r)])]
+                time.sleep(0.05)
+        except Exception:
+            # The store lives in rank 0's process when the group was started without torchrun.
+            missing = [0]
+        devices = [d for r in missing for d in self.rank_devices_of(r)[:1]]
+        return RankLost(missing, devices, _message(error))
+
+    def rank_devices_of(self, rank: int) -> tuple[Device, ...]:
+        if rank < len(self.rank_devices) and self.rank_devices[rank]:
+            return self.rank_devices[rank]
+        return (Device(index=0, torch_device=torch.device("cpu"), name="unknown"),)
+
+    def lost_error(self, lost: RankLost, **where: Any) -> WorkerFailedError:
+        rank = lost.ranks[0] if lost.ranks else -1
+        device = lost.devices[0] if lost.devices else self.rank_devices_of(rank)[0]
+        error = WorkerFailedError(
+            device=device,
+            rank=rank,
+            error_type="ProcessLost",
+            error_message=(
+                f"rank {rank} stopped answering (its process died or its host is unreachable): "
+                f"{lost.reason}"
+            ),
+            **where,
+        )
+        error.__cause__ = lost
+        return error
+
+
+def find(error: BaseException, kind: type[BaseException]) -> Any:
+    """``error`` or its cause, if either is a ``kind``."""
+    if isinstance(error, kind):
+        return error
+    if isinstance(error.__cause__, kind):
+        return error.__cause__
+    return None
+
+
+def _cancelled(error: BaseException) -> bool:
+    return not isinstance(error, Exception)
+
+
+def _type_name(cls: type[BaseException]) -> str:
+    module = cls.__module__
+    if module in {"builtins", "__main__"}:
+        return cls.__qualname__
+    return f"{module}.{cls.__qualname__}"
+
+
+def _message(error: BaseException) -> str:
+    try:
+        return str(error)
+    except Exception:
+        return f"<unprintable {type(error).__name__}>"
+
+
+def clip_and_scale(
+    tensors: Sequence[torch.Tensor], scale: float, clip: float | None, want_finite: bool
+) -> tuple[float, bool]:
+    """The reduced gradients' coefficient (``scale`` times the clipping) and finiteness."""
+    coefficient, finite = scale, True
+    if clip is not None:
+        norm_sq = sum(float(torch.linalg.vector_norm(t, dtype=torch.float32) ** 2) for t in tensors)
+        norm = math.sqrt(norm_sq) * scale
+        finite = math.isfinite(norm)
+        if finite and norm > clip:
+            coefficient = scale * clip / (norm + 1e-6)
+    elif want_finite:
+        finite = all(bool(torch.isfinite(t).all()) for t in tensors)
+    return coefficient, finite

@@ -1,0 +1,101 @@
+"""Each rank's part of the data: batches ``rank``, ``rank + W``, ``rank + 2W``, ...
+
+Every rank is given the same data and keeps every ``W``-th batch, starting at its rank, so the
+ranks' parts are disjoint and together are the whole data, each batch exactly once (unlike
+``DistributedSampler``, which pads the ranks to equal counts by repeating samples).
+
+For a map-style ``DataLoader`` the striding is done on its batch sampler, so the batches of
+other ranks are never loaded; its first indices are drawn under a seed shared by the ranks (and
+changed every epoch), so a shuffling loader draws the same order on every rank. Any other
+iterable is iterated in full on every rank, the other ranks' batches skipped.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
+
+__all__ = ["rank_view"]
+
+
+def rank_view(data: Iterable[Any], rank: int, world_size: int, seed: int) -> Iterable[Any]:
+    """Rank ``rank``'s part of ``data``, for one epoch (``seed`` is the same on every rank)."""
+    if world_size == 1:
+        return data
+    if isinstance(data, DataLoader):
+        if isinstance(data.sampler, DistributedSampler):
+            return data  # sharded by the user already
+        if not isinstance(data.dataset, IterableDataset) and data.batch_sampler is not None:
+            return _restride(data, _StridedBatchSampler(data.batch_sampler, rank, world_size, seed))
+    return _Strided(data, rank, world_size, seed)
+
+
+class _StridedBatchSampler(Sampler[list[int]]):
+    def __init__(self, inner: Iterable[list[int]], rank: int, world_size: int, seed: int) -> None:
+        self.inner = inner
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+
+    def __len__(self) -> int:
+        if not isinstance(self.inner, Sized):
+            raise TypeError("the batch sampler has no length")
+        return max(0, (len(self.inner) - self.rank + self.world_size - 1) // self.world_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return _strided(self.inner, self.rank, self.world_size, self.seed)
+
+
+class _Strided:
+    """Every ``world_size``-th item of an iterable, from ``rank`` on."""
+
+    def __init__(self, data: Iterable[Any], rank: int, world_size: int, seed: int) -> None:
+        self.data = data
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+
+    def __iter__(self) -> Iterator[Any]:
+        return _strided(self.data, self.rank, self.world_size, self.seed)
+
+    def __len__(self) -> int:
+        if not isinstance(self.data, Sized):
+            raise TypeError(f"{type(self.data).__name__} has no length")
+        return max(0, (len(self.data) - self.rank + self.world_size - 1) // self.world_size)
+
+
+def _strided(data: Iterable[Any], rank: int, world_size: int, seed: int) -> Iterator[Any]:
+    # A shuffling sampler draws its seed from torch's global generator on its first next():
+    # draw the first batches under the shared seed, so every rank gets the same order.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        iterator = iter(data)
+        first = list(itertools.islice(iterator, world_size))
+    if rank < len(first):
+        yield first[rank]
+    for index, item in enumerate(iterator, start=world_size):
+        if index % world_size == rank:
+            yield item
+
+
+def _restride(loader: DataLoader[Any], batch_sampler: _StridedBatchSampler) -> DataLoader[Any]:
+    """A copy of ``loader`` that loads only the batches of ``batch_sampler``."""
+    workers = loader.num_workers
+    return DataLoader(
+        loader.dataset,
+        batch_sampler=batch_sampler,
+        num_workers=workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context if workers else None,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if workers else None,
+        persistent_workers=loader.persistent_workers if workers else False,
+        pin_memory_device=loader.pin_memory_device,
+    )

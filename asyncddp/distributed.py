@@ -1,0 +1,134 @@
+"""Training across processes and machines on ``torch.distributed``, launched with ``torchrun``.
+
+Call :func:`init` once per process, then use the same :class:`~asyncddp.Trainer` as on one
+machine: it sees the process group and trains across every device of every rank::
+
+    # torchrun --nproc-per-node 2 train.py
+    import asyncddp.distributed
+
+    world = asyncddp.distributed.init()  # gloo on CPU, NCCL on CUDA
+    trainer = asyncddp.Trainer(model, optimizer, step)  # devices="auto": cuda:LOCAL_RANK or CPU
+    await trainer.fit(loader, epochs=5)  # the same loader on every rank: each trains on its part
+
+What the trainer does across ranks:
+
+- **Data.** Every rank gets the same data; rank ``r`` of ``W`` trains on batches ``r``,
+  ``r + W``, ``r + 2W``, ... (a ``DataLoader``'s skipped batches are never loaded; a shuffling
+  one draws the same order on every rank). No batch is repeated or dropped: a rank out of data
+  joins the remaining steps with none, so uneven counts never hang. Validation metrics are
+  exact over the whole set.
+- **Gradients.** Reduced among the process's devices first, then across ranks, one all-reduce
+  per bucket of at most 25 MB, weighted by items over every device of every rank: the step is
+  the one a single device would take on all the ranks' batches together.
+- **Failures.** A rank that raises tells the others in the next exchange; every rank raises
+  :class:`~asyncddp.WorkerFailedError` naming the failed rank and device, within a collective's
+  latency. A rank that dies breaks the collective; the others name it within seconds.
+- **stop() and checkpoints.** ``stop()`` on any rank stops every rank after the same step. Rank
+  0 writes the checkpoints; ``resume=`` reads them on rank 0 and sends the state to every rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ._exceptions import ConfigurationError
+
+__all__ = ["World", "destroy", "init", "is_initialized", "world"]
+
+_REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process stands in the process group.
+
+    Attributes:
+        rank: This process's rank, ``0 <= rank < world_size``.
+        world_size: How many processes train together.
+        local_rank: This process's rank on its machine (``torchrun``'s ``LOCAL_RANK``).
+        local_world_size: How many processes train on this machine.
+        backend: ``"gloo"`` or ``"nccl"``.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is rank 0, the one that writes checkpoints and logs."""
+        return self.rank == 0
+
+
+def init(backend: str | None = None, *, timeout: float | None = None) -> World:
+    """Join the process group described by the ``torchrun`` environment.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (set by
+    ``torchrun``, or by hand). Calling it again returns the group already joined.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"``; by default NCCL when CUDA is available, else gloo. With
+            NCCL the process's current GPU becomes ``cuda:LOCAL_RANK``.
+        timeout: Seconds a collective may wait for the other ranks before it fails (torch's
+            default when ``None``: 10 minutes for NCCL, 30 for gloo). Failures of a rank are
+            reported much sooner: see the module's description.
+
+    Raises:
+        ConfigurationError: the environment variables are missing (not launched by
+            ``torchrun``), or ``backend`` is unknown.
+    """
+    if dist.is_initialized():
+        return _current()
+    missing = [name for name in _REQUIRED if name not in os.environ]
+    if missing:
+        raise ConfigurationError(
+            f"asyncddp.distributed.init() needs the torchrun environment; {', '.join(missing)} "
+            "not set. Launch with `torchrun --nproc-per-node 2 your_script.py`, or set RANK, "
+            "WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself"
+        )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ConfigurationError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        backend,
+        init_method="env://",
+        timeout=None if timeout is None else datetime.timedelta(seconds=timeout),
+    )
+    return _current()
+
+
+def is_initialized() -> bool:
+    """Whether this process has joined a process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def world() -> World | None:
+    """This process's place in the process group, or ``None`` outside one."""
+    return _current() if is_initialized() else None
+
+
+def destroy() -> None:
+    """Leave the process group (at the end of the script); nothing if none was joined."""
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def _current() -> World:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    return World(
+        rank=rank,
+        world_size=size,
+        local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", size)),
+        backend=str(dist.get_backend()),
+    )

@@ -1,0 +1,215 @@
+"""Training across processes: real gloo process groups on localhost.
+
+Each test starts its ranks as separate Python processes (``tests/distributed_worker.py``) with
+the torchrun environment set by hand, so that killing one rank leaves the others running (under
+``torchrun`` its agent would stop them). Every rank writes what it saw; the test compares.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import asyncddp
+import asyncddp.distributed
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+sys.path.insert(0, str(WORKER.parent))
+import distributed_worker as worker  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch(
+    scenario: str, out: Path, world_size: int = 2, timeout: float = 120.0
+) -> tuple[list[dict[str, Any] | None], list[int], float]:
+    """Run ``scenario`` on ``world_size`` ranks; their reports (None if a rank wrote none),
+    exit codes, and the seconds they took."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = []
+    started = time.monotonic()
+    for rank in range(world_size):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), scenario, str(out)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    codes, outputs = [], []
+    try:
+        for proc in procs:
+            remaining = max(1.0, timeout - (time.monotonic() - started))
+            output, _ = proc.communicate(timeout=remaining)
+            codes.append(proc.returncode)
+            outputs.append(output.decode(errors="replace"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    seconds = time.monotonic() - started
+    reports: list[dict[str, Any] | None] = []
+    for rank in range(world_size):
+        path = out / f"rank{rank}.pt"
+        reports.append(torch.load(path, weights_only=False) if path.exists() else None)
+    for rank, report in enumerate(reports):
+        if report is not None and "crash" in report:
+            pytest.fail(f"rank {rank} crashed:\n{report['crash']}\n{outputs[rank]}")
+    return reports, codes, seconds
+
+
+def reference_params(batches: int = 7) -> tuple[list[torch.Tensor], asyncddp.FitResult, Any]:
+    """One process, one device, each step given the ranks' batches of that step together."""
+    import anyio
+
+    data = worker.batches(batches)
+    merged = [
+        tuple(torch.cat(parts) for parts in zip(*data[i : i + 2], strict=True))
+        for i in range(0, len(data), 2)
+    ]
+    trainer = asyncddp.Trainer(
+        worker.model(),
+        functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
+        worker.step,
+        devices="cpu",
+        progress_bar=False,
+    )
+
+    async def fit() -> tuple[asyncddp.FitResult, dict[str, float]]:
+        result = await trainer.fit(merged, epochs=2, valid_data=worker.batches(5, 10))
+        return result, await trainer.validate(worker.batches(5, 10))
+
+    result, metrics = anyio.run(fit)
+    return [p.detach().clone() for p in trainer.model.parameters()], result, metrics
+
+
+@pytest.mark.parametrize("devices", [1, 2], ids=["1-device-per-rank", "2-devices-per-rank"])
+def test_two_ranks_end_with_the_parameters_of_one_device(tmp_path: Path, devices: int) -> None:
+    reports, codes, _ = launch(f"exact{devices}", tmp_path)
+    assert codes == [0, 0]
+    params, result, metrics = reference_params()
+    for report in reports:
+        assert report is not None
+        for mine, expected in zip(report["params"], params, strict=True):
+            torch.testing.assert_close(mine, expected, atol=1e-5, rtol=1e-5)
+        assert report["global_step"] == result.global_step == 8  # 4 steps per epoch, 7 batches
+        for (loss, train_metrics, valid, items), record in zip(
+            report["history"], result.history, strict=True
+        ):
+            assert items == record.items == 6 * 12 + 7  # every item once, none repeated
+            assert loss == pytest.approx(record.train_loss, abs=1e-6)
+            assert train_metrics == pytest.approx(dict(record.train_metrics), abs=1e-6)
+            # Validation over 5 batches on 2 ranks (3 + 2): exact over all 46 items.
+            assert valid == pytest.approx(dict(record.valid_metrics or {}), abs=1e-6)
+        assert report["validate"] == pytest.approx(metrics, abs=1e-6)
+
+
+def test_a_rank_without_any_batch_joins_the_steps_and_does_not_hang(tmp_path: Path) -> None:
+    reports, codes, _ = launch("exact-one", tmp_path)  # one batch, two ranks
+    assert codes == [0, 0]
+    params, result, _ = reference_params(batches=1)
+    for report in reports:
+        assert report is not None
+        assert report["global_step"] == result.global_step == 2
+        for mine, expected in zip(report["params"], params, strict=True):
+            torch.testing.assert_close(mine, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_rank_that_raises_makes_every_rank_raise_naming_it(tmp_path: Path) -> None:
+    reports, codes, seconds = launch("raise", tmp_path)
+    assert codes == [0, 0]  # no process was left hanging: both wrote their reports and exited
+    for report in reports:
+        assert report is not None
+        assert report["error"] is not None, report
+        assert report["error_rank"] == 1
+        assert report["error_device"] in ("cpu#0", "cpu#1")
+        assert "rank 1" in report["error"]
+        assert report["cause"] == "ValueError"
+        assert report["cause_message"] == "injected failure on rank 1"
+    failed_at = reports[1]["failed_at"]  # type: ignore[index]
+    assert reports[0]["raised_at"] - failed_at < 10.0  # type: ignore[index]
+    assert seconds < 60
+
+
+def test_a_killed_rank_makes_the_others_fail_naming_it(tmp_path: Path) -> None:
+    reports, codes, _seconds = launch("kill", tmp_path, world_size=3)
+    assert codes[1] == -9
+    killed_at = float((tmp_path / "killed_at").read_text())
+    for rank in (0, 2):
+        report = reports[rank]
+        assert report is not None, f"rank {rank} wrote nothing (exit {codes[rank]})"
+        assert report["error"] is not None
+        assert report["error_rank"] == 1
+        assert "rank 1" in report["error"]
+        assert report["cause"] == "RankLost"
+        assert report["raised_at"] - killed_at < 30.0
+
+
+def test_stop_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    reports, codes, _ = launch("stop", tmp_path)
+    assert codes == [0, 0]
+    first, second = reports
+    assert first is not None
+    assert second is not None
+    assert first["stopped"]
+    assert second["stopped"]
+    assert second["reason"] == "rank 1 had enough"
+    assert first["reason"] == "stop() was called on another rank"
+    assert first["global_step"] == second["global_step"] < 20  # not the 3 epochs of 20 steps
+    for a, b in zip(first["params"], second["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_rank_0_checkpoints_and_every_rank_resumes(tmp_path: Path) -> None:
+    shared = tmp_path / "run"
+    launch("checkpoint-first", shared)
+    files = sorted(p.name for p in (shared / "checkpoints").glob("*.ckpt"))
+    assert len(files) == 1  # rank 0 alone wrote the epoch's checkpoint
+    resumed, codes, _ = launch("checkpoint-resume", shared)
+    straight, _, _ = launch("checkpoint-straight", tmp_path / "straight")
+    assert codes == [0, 0]
+    for report, reference in zip(resumed, straight, strict=True):
+        assert report is not None
+        assert reference is not None
+        assert report["global_step"] == reference["global_step"] == 8
+        for a, b in zip(report["params"], reference["params"], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_init_without_the_torchrun_environment_says_how_to_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(asyncddp.ConfigurationError, match="torchrun --nproc-per-node"):
+        asyncddp.distributed.init()
+    assert asyncddp.distributed.world() is None
+    assert not asyncddp.distributed.is_initialized()
