@@ -3,14 +3,16 @@
 Every exchange between ranks starts with one small all-reduce, the *header*: a float64 vector
 that every rank fills in the same layout and that sums to the same totals on every rank::
 
-    kind | items | loss sum | active | failed | stop | new names | used[P] | metric sums[M]
+    kind | items | loss sum | active | failed | stop | new names | used[P] | (sum, reported)[M]
 
 ``kind`` says which exchange this is (a step, the end of validation, ...); ``items``, ``loss``
 and the metric sums are sums over every device of every rank, which makes the gradient weights,
 the step's loss and the validation metrics exact; ``active`` counts the ranks that brought data
 (uneven data never hangs: a rank out of data keeps joining with zero items until none is
 active); ``failed`` counts the ranks that are raising; ``stop`` the ranks where ``stop()`` was
-called; ``used[p]`` how many ranks gave parameter ``p`` a gradient.
+called; ``used[p]`` how many ranks gave parameter ``p`` a gradient; each metric's ``reported``
+how many ranks reported it in this exchange (the registry of names is shared by training and
+validation: an exchange's figures hold only the metrics some rank reported in it).
 
 What follows the header depends on it, and every rank knows the same header:
 
@@ -19,7 +21,9 @@ What follows the header depends on it, and every rank knows the same header:
   they raise within one collective's latency, not after the process group's timeout.
 - ``new names > 0``: some rank's step returned a metric not seen before: every rank gathers the
   names, adds them to its registry in the same order, and sums this exchange's values for them.
-- a step: the gradient buckets, one asynchronous all-reduce each, awaited together.
+- a step: the gradient buckets, one asynchronous all-reduce each, awaited together; then rank
+  0's model buffers (BatchNorm statistics), which every rank takes, as DDP's
+  ``broadcast_buffers`` (one broadcast per dtype; none for a model without buffers).
 
 A rank that dies (SIGKILL, out of memory) breaks the collective: gloo fails at once on every
 rank that talks to it. The survivors then find out who is gone through the process group's
@@ -235,8 +239,11 @@ class Comm:
             stop=round(float(values[_STOP])),
             used=[bool(v > 0) for v in values[_FIXED : _FIXED + n].tolist()],
             metrics={
-                name: float(v)
-                for name, v in zip(self.names, values[_FIXED + n :].tolist(), strict=True)
+                name: float(total)
+                for name, (total, reported) in zip(
+                    self.names, values[_FIXED + n :].view(-1, 2).tolist(), strict=True
+                )
+                if reported > 0
             },
         )
 
@@ -253,7 +260,7 @@ class Comm:
         failed: bool,
         new: Sequence[str],
     ) -> torch.Tensor:
-        values = torch.zeros(_FIXED + self.params + len(self.names), dtype=torch.float64)
+        values = torch.zeros(_FIXED + self.params + 2 * len(self.names), dtype=torch.float64)
         fixed = [kind, items, loss, float(active), float(failed), float(stop), float(bool(new))]
         values[:_FIXED] = torch.tensor(fixed, dtype=torch.float64)
         if used is not None:
@@ -261,18 +268,24 @@ class Comm:
                 [float(u) for u in used], dtype=torch.float64
             )
         for i, name in enumerate(self.names):
-            values[_FIXED + self.params + i] = metrics.get(name, 0.0)
+            if name in metrics:
+                values[_FIXED + self.params + 2 * i] = metrics[name]
+                values[_FIXED + self.params + 2 * i + 1] = 1.0
         return values
 
     def _register(self, new: list[str], metrics: dict[str, float]) -> torch.Tensor:
-        """Add the metric names some rank saw first; returns their sums for this exchange."""
+        """Add the metric names some rank saw first; returns their (sum, reported) pairs for
+        this exchange."""
         gathered: list[Any] = [None] * self.world_size
         try:
             dist.all_gather_object(gathered, new)
         except RuntimeError as error:
             raise self.lost(error) from error
         added = sorted({name for names in gathered for name in names} - set(self.names))
-        extra = torch.tensor([metrics.get(name, 0.0) for name in added], dtype=torch.float64)
+        extra = torch.tensor(
+            [v for name in added for v in (metrics.get(name, 0.0), float(name in metrics))],
+            dtype=torch.float64,
+        )
         if added:
             self._all_reduce(extra)
         self.names.extend(added)
@@ -304,6 +317,23 @@ class Comm:
             raise self.lost(error) from error
         if tensors and tensors[0].is_cuda:
             torch.cuda.synchronize(tensors[0].device)  # NCCL runs on streams of its own
+
+    def broadcast_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Rank 0's ``buffers`` (BatchNorm statistics) into this rank's, in place, as DDP's
+        ``broadcast_buffers``: one broadcast per dtype."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for buffer in buffers:
+            by_dtype.setdefault(buffer.dtype, []).append(buffer)
+        try:
+            for group in by_dtype.values():
+                flat = torch.cat([buffer.detach().reshape(-1) for buffer in group])
+                dist.broadcast(flat, src=0)
+                parts = torch.split(flat, [buffer.numel() for buffer in group])
+                with torch.no_grad():
+                    for buffer, part in zip(group, parts, strict=True):
+                        buffer.copy_(part.view_as(buffer))
+        except RuntimeError as error:
+            raise self.lost(error) from error
 
     # -- failures ----------------------------------------------------------------------------
 

@@ -8,13 +8,22 @@ multiplied by its item count), so dividing the all-reduced sum by the global ite
 the mean over every item of every rank, however unevenly they were spread.
 
 With one device per rank (the usual ``torchrun`` set-up), and no loss scaling, the whole step is
-one job on the device's worker: forward, backward, the exchange, the optimizer step.
+one job on the device's worker: forward, backward, the exchange, the optimizer step. Not with a
+``step_timeout``, which bounds a device's own work: waiting in the exchange for a slower rank is
+not, so the exchange then runs apart, on a thread of its own, as with several devices.
+
+Cancellation: a collective cannot be left half way (the other ranks are in it, and a rank that
+went on would issue its next collectives while these still run), so a cancellation waits for
+the exchange in progress. Once a step's exchange is done every rank takes that step, so a
+cancelled rank takes and counts it too, and the cancellation goes on right after it: the
+ranks stay identical, and the others hear of the cancellation at their next exchange.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
@@ -22,14 +31,51 @@ from . import _comm, distributed
 from ._comm import Comm, Global
 from ._exceptions import ConfigurationError, WorkerFailedError
 from ._jobs import ApplyWork, ExchangeWork, Sums, TrainWork, exchange_gradients
+from ._loop import current_waker
 from ._ranks import rank_view
 from ._steps import Steps, Window, shard_items
 from ._worker import WorkerContext
 
-__all__ = ["DistributedSteps"]
+__all__ = ["DistributedSteps", "collective"]
 
 #: How long a failing rank waits for the others to hear of it before it raises anyway.
 ANNOUNCE_TIMEOUT = 60.0
+
+T = TypeVar("T")
+
+
+async def collective(fn: Callable[..., T], *args: Any) -> tuple[T, BaseException | None]:
+    """``fn(*args)``, which talks to the other ranks, on a thread of its own, awaited to its end
+    even if the caller is cancelled meanwhile (``anyio.to_thread`` gives up on a plain
+    ``task.cancel()`` and leaves the collective running).
+
+    Returns ``fn``'s value and the asyncio cancellation that came meanwhile, which the caller
+    must re-raise, as that very object; a cancel scope's (trio, anyio) is held off and comes
+    back by itself at the next checkpoint. If ``fn`` raised, so does this: with a cancellation,
+    the cancellation, caused by ``fn``'s error (as :meth:`StepScheduler.run`).
+    """
+    waker = current_waker()
+    outcome: list[tuple[bool, Any]] = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, fn(*args)))
+        except BaseException as error:
+            outcome.append((False, error))
+        waker.wake_threadsafe()
+
+    threading.Thread(target=target, name="asyncddp-collective", daemon=True).start()
+    cancellation: BaseException | None = None
+    while not outcome:
+        _, cancelled = await waker.wait_shielded(None)
+        cancellation = cancellation or cancelled
+    ok, value = outcome[0]
+    if not ok:
+        if cancellation is not None and isinstance(value, Exception):
+            cancellation.__cause__ = value
+            raise cancellation
+        raise value
+    return value, cancellation
 
 
 class DistributedSteps(Steps):
@@ -40,6 +86,7 @@ class DistributedSteps(Steps):
     _stop_agreed: bool
     _stop_reason: str | None
     _data_seed: int | None
+    _cancelled_in_step: BaseException | None
     epoch: int
 
     def _distributed(self) -> bool:
@@ -69,7 +116,10 @@ class DistributedSteps(Steps):
 
     async def _join(self) -> None:
         """Join the process group's training, once, if this process is in one."""
-        if self._comm is not None or not distributed.is_initialized():
+        if self._comm is not None:
+            self._comm.announced = False  # a failure of an earlier call was announced then
+            return
+        if not distributed.is_initialized():
             return
         if self.on_failure != "raise":
             raise ConfigurationError(
@@ -79,15 +129,18 @@ class DistributedSteps(Steps):
         model = self._source_model()
         params = [p for p in model.parameters() if p.requires_grad]
         fingerprint = (
-            f"params={[tuple(p.shape) for p in params]} "
+            f"params={[tuple(p.shape) for p in params]} devices={len(self.devices)} "
             f"accumulate={self.accumulate_grad_batches} split={self.split_batches} "
-            f"clip={self.gradient_clip_val} scaler={self._scaler is not None}"
+            f"clip={self.gradient_clip_val} scaler={self._scaler is not None} "
+            f"buffers={[(tuple(b.shape), b.dtype) for b in model.buffers()]}"
         )
         comm = Comm(self.devices, len(params), fingerprint)
-        await anyio.to_thread.run_sync(comm.setup)
+        _, cancellation = await collective(comm.setup)
         self._comm = comm
         if self._data_seed is None:
             self._data_seed = comm.data_seed
+        if cancellation is not None:
+            raise cancellation
 
     async def _across_ranks(self, error: BaseException) -> BaseException:
         """What to raise for ``error`` in a process group, after the other ranks know of it.
@@ -113,8 +166,8 @@ class DistributedSteps(Steps):
         if comm.announced:
             return error
         failure = _comm.describe(error, comm.rank, self.devices[0], **where)
-        with anyio.CancelScope(shield=True):
-            failures = await anyio.to_thread.run_sync(comm.announce, failure, ANNOUNCE_TIMEOUT)
+        with anyio.CancelScope(shield=True):  # this rank is raising already
+            failures, _ = await collective(comm.announce, failure, ANNOUNCE_TIMEOUT)
         if isinstance(error, WorkerFailedError):
             error.rank = comm.rank
             others = [f.error() for f in failures if f.rank != comm.rank]
@@ -132,8 +185,15 @@ class DistributedSteps(Steps):
         seed = (self._data_seed or 0) + epoch
         return rank_view(data, comm.rank, comm.world_size, seed)
 
-    async def _exchange(self, kind: int, sums: Sums | None = None, active: bool = False) -> Global:
-        """A header-only exchange (validation's end, the stop check, the fit's end)."""
+    async def _exchange(
+        self, kind: int, sums: Sums | None = None, active: bool = False, last: bool = False
+    ) -> Global:
+        """A header-only exchange (validation's end, the stop check, the fit's end).
+
+        ``last``: the call's last exchange. Once it is done every rank has ended the call, so a
+        cancellation that came meanwhile is not announced: no rank would hear of it, and the
+        announcement would meet their next call's exchanges instead.
+        """
         comm = self._comm
         assert comm is not None
         sums = sums or Sums()
@@ -149,8 +209,12 @@ class DistributedSteps(Steps):
                 stop=stop,
             )
 
-        result = await anyio.to_thread.run_sync(run)
+        result, cancellation = await collective(run)
         self._agree_on_stop(result)
+        if cancellation is not None:
+            if last:
+                comm.announced = True  # nothing to tell: see above
+            raise cancellation
         return result
 
     def _agree_on_stop(self, result: Global) -> None:
@@ -163,8 +227,13 @@ class DistributedSteps(Steps):
 
     async def _distributed_step(self, window: Window, epoch: int) -> float | None:
         """Forward and backward for the window's batches not yet run, then the exchange and
-        the optimizer step. Sets ``window.sums`` to the sums over every rank."""
-        if self._fusable(window):
+        the optimizer step. Sets ``window.sums`` to the sums over every rank.
+
+        A cancellation that comes once the exchange is done is kept in ``_cancelled_in_step``:
+        the step is taken here as on every rank, and the caller raises it once it is counted.
+        """
+        self._cancelled_in_step = None
+        if self._fusable(window) and self.step_timeout is None:
             return await self._distributed_fused_step(window, epoch)
         await self._forward_backward(window, epoch)
         return await self._distributed_optimizer_step(window)
@@ -202,23 +271,38 @@ class DistributedSteps(Steps):
         comm = self._comm
         assert comm is not None
         earlier = window.sums
+        done: list[tuple[Global, float | None]] = []  # the job's outcome, even if cancelled
 
         def job(ctx: WorkerContext, _: Any) -> tuple[Global, float | None]:
-            return self._jobs().distributed_step(ctx, train, earlier, apply, exchange, comm)
+            outcome = self._jobs().distributed_step(ctx, train, earlier, apply, exchange, comm)
+            done.append(outcome)
+            return outcome
 
         try:
+            # Shielded: the job's exchange cannot be left half way (see the module's notes).
             result = await self._require_scheduler().run(
-                job, [None], items=counts, step=self.global_step, epoch=epoch, phase="train"
+                job,
+                [None],
+                items=counts,
+                step=self.global_step,
+                epoch=epoch,
+                phase="train",
+                shield=True,
             )
+            result_global, lr = result.outputs[0]
         except BaseException as error:
-            if isinstance(error, WorkerFailedError):
-                error.phase = getattr(error.__cause__, "_asyncddp_phase", error.phase)
-            stepped = self._replicas[0].stepped_at == self._apply_id
-            undone = not await self._abandon(self._apply_id)
-            if not undone or (not self.atomic_steps and stepped):
-                self._consistent = False
-            raise
-        result_global, lr = result.outputs[0]
+            if done and not isinstance(error, Exception):
+                # Cancelled, but every rank took this step: so does this one.
+                result_global, lr = done[0]
+                self._cancelled_in_step = error
+            else:
+                if isinstance(error, WorkerFailedError):
+                    error.phase = getattr(error.__cause__, "_asyncddp_phase", error.phase)
+                stepped = self._replicas[0].stepped_at == self._apply_id
+                undone = not await self._abandon(self._apply_id)
+                if not undone or (not self.atomic_steps and stepped):
+                    self._consistent = False
+                raise
         name = self.devices[0].name
         window.device_items[name] = window.device_items.get(name, 0) + counts[0]
         window.done += 1
@@ -242,11 +326,12 @@ class DistributedSteps(Steps):
         used = [bool(window.sums.used >> i & 1) for i in range(comm.params)]
         exchange = self._exchange_work(window)
         local = window.sums
+        buffers = self._replicas[0].buffers
 
         def run() -> tuple[Global, float, bool]:
-            return exchange_gradients(comm, local, used, buckets, exchange)
+            return exchange_gradients(comm, local, used, buckets, buffers, exchange)
 
-        result, coefficient, finite = await anyio.to_thread.run_sync(run)
+        (result, coefficient, finite), self._cancelled_in_step = await collective(run)
         self._settle(window, result)
         if result.items == 0:  # no rank had data: no step is taken or counted
             await self._abandon()
@@ -265,12 +350,23 @@ class DistributedSteps(Steps):
             self._apply_id,
             unused,
         )
+        stepped: list[float | None] = []  # the replicas that stepped, even if cancelled
+
+        def apply(ctx: WorkerContext, work: ApplyWork) -> float | None:
+            lr = jobs.apply(ctx, work)
+            stepped.append(lr)
+            return lr
+
         try:
-            applied = await self._run_all(jobs.apply, work, phase="optimizer", shield=True)
-        except BaseException:
-            if not self.atomic_steps or await self._abandon(self._apply_id):
-                self._consistent = False
-            raise
+            applied = await self._run_all(apply, work, phase="optimizer", shield=True)
+            lr: float | None = applied.outputs[0]
+        except BaseException as error:
+            if len(stepped) < len(self.devices) or isinstance(error, Exception):
+                if not self.atomic_steps or await self._abandon(self._apply_id):
+                    self._consistent = False
+                raise
+            # Cancelled, but every rank took this step: so does this one.
+            self._cancelled_in_step = self._cancelled_in_step or error
+            lr = self._replicas[0].lr()
         self._window_open = False
-        lr: float | None = applied.outputs[0]
         return lr

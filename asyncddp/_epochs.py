@@ -24,7 +24,7 @@ from . import _checkpoint, _comm
 from ._data import items_in, items_total, pin
 from ._dsteps import DistributedSteps
 from ._events import EpochEnded, StepEnded, ValidationEnded
-from ._exceptions import DataError
+from ._exceptions import ConfigurationError, DataError
 from ._jobs import Jobs, Sums
 from ._loader import Prefetcher
 from ._progress import ProgressTracker
@@ -64,6 +64,8 @@ class Epochs(DistributedSteps):
     _epoch_trained: bool
     _stop_reason: str | None
     _step_lock: anyio.Lock | None
+    _cancelled_in_step: BaseException | None
+    _batches_world: int  # how many processes counted _batches_done (each its own)
 
     async def _save_epoch_checkpoint(self) -> None:
         raise NotImplementedError
@@ -78,6 +80,15 @@ class Epochs(DistributedSteps):
         epoch, total = self.epoch, items_total(data)
         skip = self._batches_done
         resume_rng = None
+        world = self._comm.world_size if self._comm is not None else 1
+        if skip and self._epoch_rng is not None and self._batches_world != world:
+            # Each rank counts its own batches, in an order of the ranks' own (their seed).
+            raise ConfigurationError(
+                f"the training state stopped in mid-epoch, after {skip} batches on each of "
+                f"{self._batches_world} process(es): continue it on as many (not {world}), or "
+                "from a checkpoint written at the end of an epoch"
+            )
+        self._batches_world = world
         if skip and self._epoch_rng is not None:
             # Continue mid-epoch: replay the epoch's start so that the loader yields the same
             # order (a shuffling DataLoader draws its seed in iter()), then skip what was done.
@@ -178,9 +189,14 @@ class Epochs(DistributedSteps):
             self._epoch_sums.add(window.sums)
             for name, count in window.device_items.items():
                 self._epoch_items[name] = self._epoch_items.get(name, 0) + count
-            if window.sums.items == 0:
-                return  # nothing to learn from: no step was taken or counted
-            self.global_step += 1
+            taken = window.sums.items > 0  # else nothing to learn from: no step was taken
+            if taken:
+                self.global_step += 1
+        cancelled, self._cancelled_in_step = self._cancelled_in_step, None
+        if cancelled is not None:  # across ranks: after a step that every rank took
+            raise cancelled
+        if not taken:
+            return
         progress = tracker.update([window.device_items.get(name, 0) for name in tracked])
         items = window.sums.items
         loss = window.sums.loss / items
@@ -258,7 +274,7 @@ class Epochs(DistributedSteps):
             for replica, mode in zip(self._replicas, modes, strict=True):
                 replica.model.train(mode)
         if self._distributed():  # exact over every rank's items
-            result = await self._exchange(_comm.VALIDATION, totals)
+            result = await self._exchange(_comm.VALIDATION, totals, last=epoch is None)
             totals = Sums(result.items, result.loss, dict(result.metrics))
             items = result.items
         if items == 0:

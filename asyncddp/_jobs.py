@@ -229,7 +229,7 @@ class Jobs:
         replica = self.replicas[ctx.device.index]
         used = [bool(local.used >> i & 1) for i in range(len(replica.params))]
         result, coefficient, _ = exchange_gradients(
-            comm, local, used, replica.grads.buffers, exchange
+            comm, local, used, replica.grads.buffers, replica.buffers, exchange
         )
         if result.items == 0:  # no rank had data: no step
             return result, replica.lr()
@@ -305,9 +305,11 @@ def exchange_gradients(
     local: Sums,
     used: list[bool],
     buckets: list[torch.Tensor],
+    buffers: list[torch.Tensor],
     work: ExchangeWork,
 ) -> tuple[Global, float, bool]:
-    """The step's exchange (blocking): the header, then the gradients if any rank had data.
+    """The step's exchange (blocking): the header, then the gradients if any rank had data, and
+    rank 0's model ``buffers`` (the first replica's; the others copy them in the step).
 
     Returns the global sums, the coefficient to multiply the summed gradients by (the mean
     over items, the loss scale undone, clipping), and whether they are all finite.
@@ -324,6 +326,7 @@ def exchange_gradients(
     if result.items == 0:
         return result, 1.0, True
     comm.all_reduce_buckets(buckets)
+    comm.broadcast_buffers(buffers)
     scale = 1.0 / result.items
     if work.loss_scale is not None:
         scale /= work.loss_scale

@@ -19,6 +19,7 @@ import anyio
 from torch import nn
 
 from . import _checkpoint
+from ._dsteps import collective
 from ._epochs import EpochRecord, Epochs
 from ._events import CheckpointSaved
 from ._exceptions import ConfigurationError
@@ -52,7 +53,7 @@ class Resumable(Epochs):
             "loss_scaler": self._scaler.state_dict() if self._scaler is not None else None,
             "devices": [device.name for device in self.devices],
             "data_seed": self._data_seed,
-            "world_size": self._comm.world_size if self._comm is not None else 1,
+            "world_size": self._batches_world,
         }
 
     def _adopt(self, state: Mapping[str, Any]) -> None:
@@ -70,6 +71,7 @@ class Resumable(Epochs):
             self._scaler.load_state_dict(state["loss_scaler"])
         if state.get("data_seed") is not None:
             self._data_seed = int(state["data_seed"])
+        self._batches_world = int(state.get("world_size", 1))
         if state.get("rng") is not None:
             _checkpoint.restore_rng(state["rng"])
         self._window_open = True  # whatever was half done is undone at the next session start
@@ -102,7 +104,10 @@ class Resumable(Epochs):
         if comm is None:
             return await self._read_checkpoint(resume)
         state = await self._read_checkpoint(resume) if comm.rank == 0 else None
-        shared: dict[str, Any] = await anyio.to_thread.run_sync(comm.share, state)
+        shared: dict[str, Any]
+        shared, cancellation = await collective(comm.share, state)
+        if cancellation is not None:
+            raise cancellation
         return shared
 
     async def _read_checkpoint(self, resume: str | os.PathLike[str]) -> dict[str, Any]:

@@ -231,6 +231,8 @@ class Trainer(Resumable):
         self._last_global: _comm.Global | None = None  # the last exchange's sums
         self._stop_agreed = False  # every rank knows of a stop() (only then do they stop)
         self._data_seed: int | None = None  # how the ranks shuffle alike
+        self._cancelled_in_step: BaseException | None = None  # raised once the step is counted
+        self._batches_world = 1  # how many processes counted _batches_done (each its own)
 
     def __repr__(self) -> str:
         names = ", ".join(device.name for device in self.devices)
@@ -311,7 +313,10 @@ class Trainer(Resumable):
             (an optimizer step in progress completes on every device, or is undone on every
             device), the workers are joined and ``CancelledError`` propagates. The replicas
             stay identical; ``fit`` can be called again and continues from the last completed
-            optimizer step.
+            optimizer step. Across processes (:mod:`asyncddp.distributed`) an exchange with
+            the other ranks in progress is finished first; a step it completed was taken on
+            every rank, so it is kept and counted here too. The other ranks raise
+            :class:`WorkerFailedError` naming this one at their next exchange.
         """
         await self._wait_for_checkpoint_session()
         self._refuse_if_running()  # before the try: a running fit's event streams stay open
@@ -341,7 +346,7 @@ class Trainer(Resumable):
                     if self._stopping():
                         break
                 if self._comm is not None:  # the ranks end together; a late failure is heard
-                    await self._exchange(_comm.FIT_END)
+                    await self._exchange(_comm.FIT_END, last=True)
         except BaseException as error:
             raised = await self._across_ranks(error)
             ended = FitEnded(self.epoch, self.global_step, False, error=_describe(raised))
@@ -370,6 +375,7 @@ class Trainer(Resumable):
         as they were.
         """
         await self._wait_for_checkpoint_session()
+        self._refuse_if_running()  # before the try: across ranks, no failure to announce
         try:
             await self._join()
             async with self._session("validate"):

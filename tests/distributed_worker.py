@@ -11,6 +11,7 @@ import functools
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -50,7 +51,16 @@ def step(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     }
 
 
-def trainer(devices: int, **options: Any) -> asyncddp.Trainer:
+def valid_step(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+    inputs, targets = batch
+    logits = model(inputs)
+    return {
+        "loss": F.cross_entropy(logits, targets),
+        "error": (logits.argmax(1) != targets).float().mean(),
+    }
+
+
+def trainer(devices: int, step: Any = step, **options: Any) -> asyncddp.Trainer:
     return asyncddp.Trainer(
         model(),
         functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
@@ -133,6 +143,173 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         report["params"] = [p.detach().clone() for p in t.model.parameters()]
         report["global_step"] = t.global_step
         report["files"] = sorted(p.name for p in directory.glob("*")) if directory.exists() else []
+    elif scenario == "metrics":  # validation reports a metric that training does not
+        t = trainer(1, valid_step=valid_step)
+        result = await t.fit(batches(), epochs=2, valid_data=batches(5, 10))
+        report["history"] = [
+            (dict(r.train_metrics), dict(r.valid_metrics or {})) for r in result.history
+        ]
+        report["validate"] = await t.validate(batches(5, 10))
+    elif scenario.startswith("batchnorm"):  # batchnorm1, batchnorm2: devices per rank
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(
+            torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 3)
+        )
+        t = asyncddp.Trainer(
+            net,
+            functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
+            step,
+            devices=asyncddp.cpu_devices(int(scenario[-1])),
+            progress_bar=False,
+        )
+        await t.fit(batches(), epochs=1)
+        report["state"] = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+        report["validate"] = await t.validate(batches(5, 10))
+    elif scenario == "mixed-devices":  # rank 0 has one device, rank 1 two
+        t = trainer(1 + rank)
+        try:
+            await t.fit(batches(), epochs=1)
+            report["error"] = None
+        except asyncddp.ConfigurationError as error:
+            report["error"] = str(error)
+    elif scenario == "raise-twice":  # both ranks fit again after a failure; it comes again
+
+        def fails(model: torch.nn.Module, batch: Any) -> Any:
+            if rank == 1 and t.global_step == FAIL_AT:
+                raise ValueError("injected failure on rank 1")
+            return step(model, batch)
+
+        t = trainer(1, step=fails)
+        report["errors"] = []
+        for _ in range(2):
+            try:
+                await t.fit(batches(40, 8), epochs=1)
+            except asyncddp.WorkerFailedError as error:
+                report["errors"].append((error.rank, error.error_message))
+    elif scenario in ("cancel1", "cancel2"):  # devices per rank
+        # Rank 1's fit is cancelled while it waits in a step's exchange for rank 0, which is
+        # late; then both ranks fit again, to the end.
+        loop = asyncio.get_running_loop()
+        once = threading.Lock()  # one device of the rank is late, or cancels
+
+        def late(model: torch.nn.Module, batch: Any) -> Any:
+            if t.global_step == FAIL_AT and "first" not in report and once.acquire(False):
+                if rank == 0:
+                    time.sleep(1.0)
+                else:
+                    loop.call_soon_threadsafe(loop.call_later, 0.3, fit.cancel)
+            return step(model, batch)
+
+        t = trainer(int(scenario[-1]), step=late)
+        fit = asyncio.ensure_future(t.fit(batches(40, 8), epochs=1))
+        try:
+            await fit
+            report["first"] = None
+        except asyncio.CancelledError:
+            report["first"] = "cancelled"
+        except asyncddp.WorkerFailedError as error:
+            report["first"] = (error.rank, error.error_type)
+        report["first_step"] = t.global_step
+        report["first_params"] = [p.detach().clone() for p in t.model.parameters()]
+        result = await t.fit(batches(40, 8), epochs=1)
+        report["global_step"] = result.global_step
+        report["params"] = [p.detach().clone() for p in t.model.parameters()]
+    elif scenario == "validate-during-fit":  # refused on rank 1; the fit goes on
+
+        async def validate_in_fit() -> None:
+            async for event in t.events():
+                if rank == 1 and isinstance(event, asyncddp.StepEnded) and event.step == 2:
+                    try:
+                        await t.validate(batches(5, 10))
+                    except asyncddp.ConfigurationError as error:
+                        report["refused"] = str(error)
+
+        t = trainer(1)
+        async with asyncio.TaskGroup() as group:
+            group.create_task(validate_in_fit())
+            result = await t.fit(batches(40, 8), epochs=1)
+        report["global_step"] = result.global_step
+        report["params"] = [p.detach().clone() for p in t.model.parameters()]
+    elif scenario.startswith("cancel-at-end"):  # cancel-at-end-fit, cancel-at-end-validate
+        # Rank 1's call is cancelled while it waits for rank 0 (late) in the call's last
+        # exchange; then both ranks validate again.
+        loop = asyncio.get_running_loop()
+
+        def slow_lr(epoch: int) -> float:  # rank 0 is late to the end of the fit
+            if rank == 0 and epoch == 1:
+                time.sleep(1.0)
+            return 1.0
+
+        def slow_valid(model: torch.nn.Module, batch: Any) -> Any:  # late to validation's end
+            if "first" not in report and not report.get("late"):
+                report["late"] = True
+                if rank == 0:
+                    time.sleep(1.0)
+                else:
+                    loop.call_soon_threadsafe(loop.call_later, 0.3, call.cancel)
+            return step(model, batch)
+
+        async def cancel_at_end() -> None:
+            async for event in t.events():
+                if rank == 1 and isinstance(event, asyncddp.EpochEnded):
+                    loop.call_later(0.3, call.cancel)
+
+        t = trainer(
+            1,
+            lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, slow_lr),
+            valid_step=slow_valid,
+        )
+        started = time.monotonic()
+        if scenario.endswith("fit"):
+            call = asyncio.ensure_future(t.fit(batches(), epochs=1))
+            watcher = asyncio.ensure_future(cancel_at_end())
+        else:
+            call = asyncio.ensure_future(t.validate(batches(5, 10)))
+        try:
+            await call
+            report["first"] = None
+        except asyncio.CancelledError:
+            report["first"] = "cancelled"
+        except asyncddp.WorkerFailedError as error:
+            report["first"] = (error.rank, error.error_type)
+        report["seconds"] = time.monotonic() - started
+        if scenario.endswith("fit"):
+            await watcher
+        report["global_step"] = t.global_step
+        report["validate"] = await t.validate(batches(5, 10))
+    elif scenario == "resume-other-world":  # mid-epoch states of another number of processes
+        t = trainer(1)
+        try:  # stopped in mid-epoch by one process (the test's)
+            await t.fit(batches(40, 8), epochs=1, resume=out / "one.ckpt")
+            report["error"] = None
+        except asyncddp.ConfigurationError as error:
+            report["error"] = str(error)
+        t = trainer(1)
+
+        async def stop_at_step_2() -> None:
+            async for event in t.events():
+                if isinstance(event, asyncddp.StepEnded) and event.step == 2:
+                    t.stop()
+
+        async with asyncio.TaskGroup() as group:
+            group.create_task(stop_at_step_2())
+            await t.fit(batches(40, 8), epochs=1)
+        if rank == 0:  # for the test to continue with one process
+            await t.save_checkpoint(out / "two.ckpt")
+    elif scenario == "late-peer":  # rank 0 loads a batch late; rank 1 waits longer than
+        # step_timeout for it in the step's exchange: its device is not what is slow
+
+        class Late:
+            def __iter__(self) -> Any:
+                for index, batch in enumerate(batches(40, 8)):
+                    if rank == 0 and index == 2 * FAIL_AT:
+                        time.sleep(3.0)
+                    yield batch
+
+        t = trainer(1, step_timeout=2.0)
+        result = await t.fit(Late(), epochs=1)
+        report["global_step"] = result.global_step
+        report["params"] = [p.detach().clone() for p in t.model.parameters()]
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     return report

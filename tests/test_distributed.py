@@ -86,7 +86,9 @@ def launch(
     return reports, codes, seconds
 
 
-def reference_params(batches: int = 7) -> tuple[list[torch.Tensor], asyncddp.FitResult, Any]:
+def reference_params(
+    batches: int = 7, **options: Any
+) -> tuple[list[torch.Tensor], asyncddp.FitResult, Any]:
     """One process, one device, each step given the ranks' batches of that step together."""
     import anyio
 
@@ -101,6 +103,7 @@ def reference_params(batches: int = 7) -> tuple[list[torch.Tensor], asyncddp.Fit
         worker.step,
         devices="cpu",
         progress_bar=False,
+        **options,
     )
 
     async def fit() -> tuple[asyncddp.FitResult, dict[str, float]]:
@@ -202,6 +205,168 @@ def test_rank_0_checkpoints_and_every_rank_resumes(tmp_path: Path) -> None:
         assert report["global_step"] == reference["global_step"] == 8
         for a, b in zip(report["params"], reference["params"], strict=True):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_metrics_are_those_each_phase_reported(tmp_path: Path) -> None:
+    # Training reports "accuracy", validation "error": neither shows up in the other's figures.
+    reports, codes, _ = launch("metrics", tmp_path)
+    assert codes == [0, 0]
+    _, result, metrics = reference_params(valid_step=worker.valid_step)
+    for report in reports:
+        assert report is not None
+        for (train_metrics, valid), record in zip(report["history"], result.history, strict=True):
+            assert set(train_metrics) == {"accuracy"}
+            assert train_metrics == pytest.approx(dict(record.train_metrics), abs=1e-6)
+            assert set(valid) == {"loss", "error"}
+            assert valid == pytest.approx(dict(record.valid_metrics or {}), abs=1e-6)
+        assert report["validate"] == pytest.approx(metrics, abs=1e-6)
+
+
+@pytest.mark.parametrize("devices", [1, 2], ids=["1-device-per-rank", "2-devices-per-rank"])
+def test_every_rank_takes_rank_0s_batchnorm_statistics(tmp_path: Path, devices: int) -> None:
+    # As DDP's broadcast_buffers: each rank's forwards update its own statistics, on its own
+    # data; without them following rank 0's, the ranks' models (and validations) would differ.
+    reports, codes, _ = launch(f"batchnorm{devices}", tmp_path)
+    assert codes == [0, 0]
+    first, second = reports
+    assert first is not None
+    assert second is not None
+    assert first["state"].keys() == second["state"].keys()
+    for name, value in first["state"].items():
+        assert torch.equal(value, second["state"][name]), name
+    assert first["validate"] == second["validate"]
+
+
+def test_ranks_with_different_device_counts_are_refused(tmp_path: Path) -> None:
+    # Their gradient buckets would differ in size and number: the all-reduces would not match.
+    reports, codes, seconds = launch("mixed-devices", tmp_path, timeout=60)
+    assert codes == [0, 0]
+    for report in reports:
+        assert report is not None
+        assert report["error"] is not None
+        assert "devices=2" in report["error"]
+    assert seconds < 30
+
+
+def test_a_failure_in_a_second_fit_is_announced_like_the_first(tmp_path: Path) -> None:
+    # Both ranks catch the first WorkerFailedError and fit again; rank 1 fails again, and rank
+    # 0 must hear of that failure, not of a lost rank (or hang) when rank 1 goes away.
+    reports, codes, _ = launch("raise-twice", tmp_path, timeout=60)
+    assert codes == [0, 0]
+    for report in reports:
+        assert report is not None
+        assert report["errors"] == [(1, "injected failure on rank 1")] * 2
+
+
+@pytest.mark.parametrize("devices", [1, 2], ids=["1-device-per-rank", "2-devices-per-rank"])
+def test_a_rank_cancelled_in_an_exchange_keeps_the_step_the_others_took(
+    tmp_path: Path, devices: int
+) -> None:
+    # Rank 1's fit is cancelled while it waits for rank 0 in a step's exchange. Once the
+    # exchange is done every rank takes that step: rank 1 too, before the cancellation goes on
+    # (else it would be a step behind for good), and the exchange is not left half way (else
+    # rank 1's next collectives would meet rank 0's gradients). Both ranks then fit again.
+    reports, codes, _ = launch(f"cancel{devices}", tmp_path, timeout=60)
+    assert codes == [0, 0]
+    first, second = reports
+    assert first is not None
+    assert second is not None
+    assert second["first"] == "cancelled"
+    assert first["first"][0] == 1
+    assert "CancelledError" in first["first"][1]
+    assert first["first_step"] == second["first_step"] == worker.FAIL_AT + 1
+    for a, b in zip(first["first_params"], second["first_params"], strict=True):
+        assert torch.equal(a, b)
+    assert first["global_step"] == second["global_step"] == 20
+    for a, b in zip(first["params"], second["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("call", ["fit", "validate"])
+def test_a_rank_cancelled_in_the_last_exchange_of_a_call_tells_nobody(
+    tmp_path: Path, call: str
+) -> None:
+    # Rank 1's fit (or validate) is cancelled while it waits for rank 0 in the call's last
+    # exchange. Every rank has ended the call then: rank 1 must not wait a minute for someone
+    # to hear of it, nor leave its announcement pending, to meet the ranks' next call.
+    reports, codes, _ = launch(f"cancel-at-end-{call}", tmp_path, timeout=40)
+    assert codes == [0, 0]
+    first, second = reports
+    assert first is not None
+    assert second is not None
+    assert first["first"] is None
+    assert second["first"] == "cancelled"
+    assert second["seconds"] < 10
+    assert first["global_step"] == second["global_step"]
+    assert first["validate"] == second["validate"]
+
+
+def test_validate_during_fit_is_refused_on_that_rank_alone(tmp_path: Path) -> None:
+    # As on one machine: a ConfigurationError for the caller; the fit goes on on every rank.
+    reports, codes, _ = launch("validate-during-fit", tmp_path, timeout=60)
+    assert codes == [0, 0]
+    first, second = reports
+    assert first is not None
+    assert second is not None
+    assert "already running" in second["refused"]
+    assert first["global_step"] == second["global_step"] == 20
+    for a, b in zip(first["params"], second["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_step_timeout_does_not_count_the_wait_for_a_slower_rank(tmp_path: Path) -> None:
+    # Rank 0 loads a batch 3 s late; rank 1 (step_timeout=2) waits for it in the exchange. Its
+    # device is not slow: no WorkerTimeoutError (whose announcement, while the timed-out job
+    # still sat in the exchange, would also have met the others' collectives out of order).
+    reports, codes, _ = launch("late-peer", tmp_path, timeout=60)
+    assert codes == [0, 0]
+    first, second = reports
+    assert first is not None
+    assert second is not None
+    assert first["global_step"] == second["global_step"] == 20
+    for a, b in zip(first["params"], second["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_mid_epoch_state_continues_only_on_as_many_processes(tmp_path: Path) -> None:
+    # In mid-epoch each rank has counted its own batches, in the ranks' order: one process
+    # would skip half of what was done and train on the rest again (and the other way round).
+    import anyio
+
+    def trainer() -> asyncddp.Trainer:
+        return asyncddp.Trainer(
+            worker.model(),
+            functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
+            worker.step,
+            devices="cpu",
+            progress_bar=False,
+        )
+
+    async def stopped_in_mid_epoch() -> None:
+        t = trainer()
+
+        async def stop_at_step_2() -> None:
+            async for event in t.events():
+                if isinstance(event, asyncddp.StepEnded) and event.step == 2:
+                    t.stop()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(stop_at_step_2)
+            assert (await t.fit(worker.batches(40, 8), epochs=1)).stopped
+        await t.save_checkpoint(tmp_path / "one.ckpt")
+
+    anyio.run(stopped_in_mid_epoch)
+    reports, codes, _ = launch("resume-other-world", tmp_path, timeout=60)
+    assert codes == [0, 0]
+    for report in reports:
+        assert report is not None
+        assert "1 process(es): continue it on as many (not 2)" in report["error"]
+
+    async def resume_on_one() -> None:
+        with pytest.raises(asyncddp.ConfigurationError, match=r"2 process\(es\).*\(not 1\)"):
+            await trainer().fit(worker.batches(40, 8), epochs=1, resume=tmp_path / "two.ckpt")
+
+    anyio.run(resume_on_one)
 
 
 def test_init_without_the_torchrun_environment_says_how_to_launch(
