@@ -14,6 +14,11 @@ called; ``used[p]`` how many ranks gave parameter ``p`` a gradient; each metric'
 how many ranks reported it in this exchange (the registry of names is shared by training and
 validation: an exchange's figures hold only the metrics some rank reported in it).
 
+A step's gradient buckets are all-reduced *with* its header, all started at once, so the header
+costs no round trip of its own. A rank that announces a failure while the others are in a step's
+exchange (it learns so from the header's ``kind`` sum) joins with zero buckets of the same
+layout, so every rank has issued the same collectives in the same order.
+
 What follows the header depends on it, and every rank knows the same header:
 
 - ``failed > 0``: every rank gathers the failures (one ``all_gather_object``) and raises. A rank
@@ -21,8 +26,7 @@ What follows the header depends on it, and every rank knows the same header:
   they raise within one collective's latency, not after the process group's timeout.
 - ``new names > 0``: some rank's step returned a metric not seen before: every rank gathers the
   names, adds them to its registry in the same order, and sums this exchange's values for them.
-- a step: the gradient buckets, one asynchronous all-reduce each, awaited together; then rank
-  0's model buffers (BatchNorm statistics), which every rank takes, as DDP's
+- a step with items: rank 0's model buffers (BatchNorm statistics), which every rank takes, as DDP's
   ``broadcast_buffers`` (one broadcast per dtype; none for a model without buffers).
 
 A rank that dies (SIGKILL, out of memory) breaks the collective: gloo fails at once on every
@@ -182,6 +186,11 @@ class Comm:
         self.rank_devices: list[tuple[Device, ...]] = []
         self.data_seed = 0
         self.announced = False
+        #: The sizes and dtypes of a step's gradient buckets (a failing rank sends zeros alike).
+        self.layout: list[tuple[int, torch.dtype]] = []
+        # Where collectives' tensors live: NCCL needs them on this process's GPU.
+        self._wire = self.devices[0].torch_device if self.backend == "nccl" else torch.device("cpu")
+        self._sent = torch.zeros(0)
         self._incident = 0
         self._fingerprint = fingerprint
 
@@ -215,12 +224,18 @@ class Comm:
         active: bool = False,
         stop: bool = False,
         used: Sequence[bool] | None = None,
+        buckets: Sequence[torch.Tensor] = (),
     ) -> Global:
-        """One exchange's header (blocking). Raises :class:`PeerFailed` if a rank failed."""
+        """One exchange's header (blocking). Raises :class:`PeerFailed` if a rank failed.
+
+        ``buckets`` (a step's gradients, laid out as :attr:`layout`) are summed over the ranks
+        in place at the same time, so the header costs no round trip of its own; when a rank
+        failed their sums are meaningless, and dropped.
+        """
         metrics = metrics or {}
         new = [name for name in metrics if name not in self.names]
         values = self._fill(kind, items, loss, metrics, active, stop, used, failed=False, new=new)
-        self._all_reduce(values)
+        self._all_reduce(values, buckets)
         if values[_FAILED] > 0:
             raise PeerFailed(self._gather_failures(None))
         got = round(float(values[_KIND]))
@@ -303,21 +318,6 @@ class Comm:
 
     # -- gradients ---------------------------------------------------------------------------
 
-    def all_reduce_buckets(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Sum ``tensors`` over the ranks in place, in buckets of at most ``BUCKET_BYTES``."""
-        works = []
-        try:
-            for tensor in tensors:
-                per = max(1, BUCKET_BYTES // tensor.element_size())
-                for bucket in torch.split(tensor, per):
-                    works.append(dist.all_reduce(bucket, async_op=True))
-            for work in works:
-                work.wait()
-        except RuntimeError as error:
-            raise self.lost(error) from error
-        if tensors and tensors[0].is_cuda:
-            torch.cuda.synchronize(tensors[0].device)  # NCCL runs on streams of its own
-
     def broadcast_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
         """Rank 0's ``buffers`` (BatchNorm statistics) into this rank's, in place, as DDP's
         ``broadcast_buffers``: one broadcast per dtype."""
@@ -344,10 +344,19 @@ class Comm:
         seconds (they have all finished), gives up and returns this rank's failure alone.
         """
         self.announced = True
+        wait = datetime.timedelta(seconds=timeout)
         values = self._fill(0, 0, 0.0, {}, False, False, None, failed=True, new=())
         try:
-            work = dist.all_reduce(values, async_op=True)
-            work.wait(timeout=datetime.timedelta(seconds=timeout))
+            for work in self._issue(values, ()):
+                work.wait(timeout=wait)
+            values = self._sent.cpu()
+            others = self.world_size - round(float(values[_FAILED]))
+            if others and round(float(values[_KIND])) == others * STEP:
+                # The others are in a step's exchange: they sum their gradients with the
+                # header, so this rank joins with buckets of the same layout.
+                dummies = [torch.zeros(n, dtype=t, device=self._wire) for n, t in self.layout]
+                for work in self._issue(None, dummies):
+                    work.wait(timeout=wait)
             return self._gather_failures(failure)
         except RuntimeError:
             return [failure]
@@ -360,14 +369,30 @@ class Comm:
             raise self.lost(error) from error
         return [f for f in gathered if isinstance(f, Failure)]
 
-    def _all_reduce(self, values: torch.Tensor) -> None:
-        tensor = values.to(self.devices[0].torch_device) if self.backend == "nccl" else values
+    def _all_reduce(self, values: torch.Tensor, buckets: Sequence[torch.Tensor] = ()) -> None:
+        """Sum ``values`` (a header, on the CPU) and ``buckets`` over the ranks, in place."""
         try:
-            dist.all_reduce(tensor)
+            works = self._issue(values, buckets)
+            for work in works:
+                work.wait()
         except RuntimeError as error:
             raise self.lost(error) from error
-        if tensor is not values:
-            values.copy_(tensor.cpu())
+        if self.backend == "nccl":
+            values.copy_(self._sent.cpu())
+            torch.cuda.synchronize(self._wire)  # NCCL runs on streams of its own
+
+    def _issue(self, values: torch.Tensor | None, buckets: Sequence[torch.Tensor]) -> list[Any]:
+        """Start the all-reduces of ``values`` and of ``buckets`` (in pieces of at most
+        ``BUCKET_BYTES``), all at once; returns their works, to wait for."""
+        works = []
+        if values is not None:
+            self._sent = values.to(self._wire) if self.backend == "nccl" else values
+            works.append(dist.all_reduce(self._sent, async_op=True))
+        for tensor in buckets:
+            per = max(1, BUCKET_BYTES // tensor.element_size())
+            for piece in torch.split(tensor, per):
+                works.append(dist.all_reduce(piece, async_op=True))
+        return works
 
     def lost(self, error: BaseException) -> RankLost:
         """Find out which ranks are gone, after ``error`` broke a collective (blocking)."""

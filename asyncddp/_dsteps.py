@@ -34,6 +34,7 @@ from ._jobs import ApplyWork, ExchangeWork, Sums, TrainWork, exchange_gradients
 from ._loop import current_waker
 from ._ranks import rank_view
 from ._steps import Steps, Window, shard_items
+from ._sync import bucket_layout
 from ._worker import WorkerContext
 
 __all__ = ["DistributedSteps", "collective"]
@@ -135,6 +136,7 @@ class DistributedSteps(Steps):
             f"buffers={[(tuple(b.shape), b.dtype) for b in model.buffers()]}"
         )
         comm = Comm(self.devices, len(params), fingerprint)
+        comm.layout = bucket_layout(params, len(self.devices))
         _, cancellation = await collective(comm.setup)
         self._comm = comm
         if self._data_seed is None:

@@ -308,8 +308,9 @@ def exchange_gradients(
     buffers: list[torch.Tensor],
     work: ExchangeWork,
 ) -> tuple[Global, float, bool]:
-    """The step's exchange (blocking): the header, then the gradients if any rank had data, and
-    rank 0's model ``buffers`` (the first replica's; the others copy them in the step).
+    """The step's exchange (blocking): the header and the gradients together, then rank 0's
+    model ``buffers`` if any rank had data (the first replica's; the others copy them in the
+    step).
 
     Returns the global sums, the coefficient to multiply the summed gradients by (the mean
     over items, the loss scale undone, clipping), and whether they are all finite.
@@ -322,10 +323,10 @@ def exchange_gradients(
         active=work.active,
         stop=work.stop(),
         used=used,
+        buckets=buckets,  # summed at the same time as the header
     )
     if result.items == 0:
         return result, 1.0, True
-    comm.all_reduce_buckets(buckets)
     comm.broadcast_buffers(buffers)
     scale = 1.0 / result.items
     if work.loss_scale is not None:

@@ -27,12 +27,29 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FlatGrads", "StepBackup", "chunk_bounds"]
+__all__ = ["FlatGrads", "StepBackup", "bucket_layout", "chunk_bounds"]
 
 
 def chunk_bounds(numel: int, parts: int, index: int) -> tuple[int, int]:
     """The ``index``-th of ``parts`` near-equal slices of ``range(numel)``."""
     return numel * index // parts, numel * (index + 1) // parts
+
+
+def bucket_layout(params: Sequence[nn.Parameter], parts: int) -> list[tuple[int, torch.dtype]]:
+    """The sizes and dtypes of the tensors a process all-reduces across ranks each step:
+    every replica's reduced chunk of each flat buffer (with ``parts`` replicas), or the whole
+    buffers of a single replica, in the order :class:`FlatGrads` builds them."""
+    sizes: dict[torch.dtype, int] = {}
+    for param in params:
+        sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
+    if parts == 1:
+        return [(numel, dtype) for dtype, numel in sizes.items()]
+    layout = []
+    for index in range(parts):
+        for dtype, numel in sizes.items():
+            start, stop = chunk_bounds(numel, parts, index)
+            layout.append((stop - start, dtype))
+    return layout
 
 
 class FlatGrads:
