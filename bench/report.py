@@ -18,7 +18,16 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DOCS = HERE.parent / "docs" / "benchmarks.md"
-BENCHMARKS = ["dispatch", "throughput", "loop_lag", "allreduce", "scaling", "gpu", "soak"]
+BENCHMARKS = [
+    "dispatch",
+    "throughput",
+    "loop_lag",
+    "allreduce",
+    "scaling",
+    "gpu",
+    "distributed",
+    "soak",
+]
 
 
 def run(name: str, quick: bool) -> str:
