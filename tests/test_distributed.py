@@ -315,7 +315,7 @@ def test_validate_during_fit_is_refused_on_that_rank_alone(tmp_path: Path) -> No
 
 
 def test_step_timeout_does_not_count_the_wait_for_a_slower_rank(tmp_path: Path) -> None:
-    # Rank 0 loads a batch 3 s late; rank 1 (step_timeout=2) waits for it in the exchange. Its
+    # Rank 0 loads a batch 8 s late; rank 1 (step_timeout=5) waits for it in the exchange. Its
     # device is not slow: no WorkerTimeoutError (whose announcement, while the timed-out job
     # still sat in the exchange, would also have met the others' collectives out of order).
     reports, codes, _ = launch("late-peer", tmp_path, timeout=60)
