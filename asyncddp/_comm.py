@@ -3,7 +3,7 @@
 Every exchange between ranks starts with one small all-reduce, the *header*: a float64 vector
 that every rank fills in the same layout and that sums to the same totals on every rank::
 
-    kind | items | loss sum | active | failed | stop | new names | used[P] | (sum, reported)[M]
+    kind | items | loss | active | failed | stop | new | buckets | used[P] | (sum, reported)[M]
 
 ``kind`` says which exchange this is (a step, the end of validation, ...); ``items``, ``loss``
 and the metric sums are sums over every device of every rank, which makes the gradient weights,
@@ -15,9 +15,10 @@ how many ranks reported it in this exchange (the registry of names is shared by 
 validation: an exchange's figures hold only the metrics some rank reported in it).
 
 A step's gradient buckets are all-reduced *with* its header, all started at once, so the header
-costs no round trip of its own. A rank that announces a failure while the others are in a step's
-exchange (it learns so from the header's ``kind`` sum) joins with zero buckets of the same
-layout, so every rank has issued the same collectives in the same order.
+costs no round trip of its own; ``buckets`` counts the ranks that sent them. A rank that sent a
+header alone while others sent buckets with theirs (it announces a failure while they are in a
+step, or it is out of step with them) joins with zero buckets of the same layout, so every rank
+has issued the same collectives in the same order.
 
 What follows the header depends on it, and every rank knows the same header:
 
@@ -54,8 +55,8 @@ __all__ = ["Comm", "Failure", "Global", "PeerFailed", "RankLost"]
 
 # Exchange kinds.
 STEP, VALIDATION, STOP_CHECK, FIT_END, SETUP = 1, 2, 3, 4, 5
-_KIND, _ITEMS, _LOSS, _ACTIVE, _FAILED, _STOP, _NEW = range(7)
-_FIXED = 7
+_KIND, _ITEMS, _LOSS, _ACTIVE, _FAILED, _STOP, _NEW, _BUCKETS = range(8)
+_FIXED = 8
 
 #: Gradient all-reduces are issued in buckets of at most this many bytes (as DDP's 25 MB).
 BUCKET_BYTES = 25 * 1024 * 1024
@@ -235,7 +236,10 @@ class Comm:
         metrics = metrics or {}
         new = [name for name in metrics if name not in self.names]
         values = self._fill(kind, items, loss, metrics, active, stop, used, failed=False, new=new)
+        values[_BUCKETS] = float(bool(buckets))  # sent with the header
         self._all_reduce(values, buckets)
+        if values[_BUCKETS] > 0 and not buckets:
+            self._join_buckets(None)  # others sent a step's buckets: out of step, or failed
         if values[_FAILED] > 0:
             raise PeerFailed(self._gather_failures(None))
         got = round(float(values[_KIND]))
@@ -276,7 +280,7 @@ class Comm:
         new: Sequence[str],
     ) -> torch.Tensor:
         values = torch.zeros(_FIXED + self.params + 2 * len(self.names), dtype=torch.float64)
-        fixed = [kind, items, loss, float(active), float(failed), float(stop), float(bool(new))]
+        fixed = [kind, items, loss, float(active), float(failed), float(stop), float(bool(new)), 0]
         values[:_FIXED] = torch.tensor(fixed, dtype=torch.float64)
         if used is not None:
             values[_FIXED : _FIXED + self.params] = torch.tensor(
@@ -350,16 +354,27 @@ class Comm:
             for work in self._issue(values, ()):
                 work.wait(timeout=wait)
             values = self._sent.cpu()
-            others = self.world_size - round(float(values[_FAILED]))
-            if others and round(float(values[_KIND])) == others * STEP:
+            if values[_BUCKETS] > 0:
                 # The others are in a step's exchange: they sum their gradients with the
                 # header, so this rank joins with buckets of the same layout.
-                dummies = [torch.zeros(n, dtype=t, device=self._wire) for n, t in self.layout]
-                for work in self._issue(None, dummies):
-                    work.wait(timeout=wait)
+                self._join_buckets(wait)
             return self._gather_failures(failure)
         except RuntimeError:
             return [failure]
+
+    def _join_buckets(self, wait: datetime.timedelta | None) -> None:
+        """All-reduce zero buckets of a step's layout, with the ranks that sent theirs."""
+        dummies = [torch.zeros(n, dtype=t, device=self._wire) for n, t in self.layout]
+        try:
+            for work in self._issue(None, dummies):
+                if wait is None:
+                    work.wait()
+                else:
+                    work.wait(timeout=wait)
+        except RuntimeError as error:
+            if wait is not None:
+                raise  # announce() gives up on its own
+            raise self.lost(error) from error
 
     def _gather_failures(self, mine: Failure | None) -> list[Failure]:
         gathered: list[Any] = [None] * self.world_size

@@ -114,6 +114,7 @@ class Trainer(Resumable):
         split_batches: ``True`` splits every batch along dim 0 across the devices; ``False``
             gives each device whole batches of its own (``len(devices)`` batches per step).
         step_timeout: Seconds a device may take for one job; see :class:`StepScheduler`.
+            Across processes, waiting for the other ranks in an exchange does not count.
         on_failure: What a failed step does: ``"raise"`` (default), ``"retry"`` it up to
             ``max_retries`` times, or ``"drop"`` the failed devices and go on with the rest.
         max_retries: Retries per step with ``on_failure="retry"``.

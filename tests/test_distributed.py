@@ -369,6 +369,16 @@ def test_a_mid_epoch_state_continues_only_on_as_many_processes(tmp_path: Path) -
     anyio.run(resume_on_one)
 
 
+def test_ranks_in_different_exchanges_say_so(tmp_path: Path) -> None:
+    # Rank 1's step sends its gradients with the header; rank 0, validating, sends a header
+    # alone. Both must learn they are out of step, not meet each other's next collectives.
+    reports, codes, _ = launch("out-of-step", tmp_path, timeout=40)
+    assert codes == [0, 0]
+    for report in reports:
+        assert report is not None
+        assert "the ranks are out of step" in report["error"]
+
+
 def test_init_without_the_torchrun_environment_says_how_to_launch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
