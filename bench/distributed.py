@@ -9,7 +9,9 @@ batch of 256 per step: 128 items per rank.
 
 - ddp-gloo-2:      ``DistributedDataParallel``, a plain loop in each process (throughput.py's);
 - asyncddp-2proc:  ``asyncddp.distributed.init()`` and ``Trainer(devices="cpu")`` in each
-                   process; the trainer gives each rank every other half-batch of one list.
+                   process; the trainer gives each rank every other half-batch of one list;
+                   and the same with ``atomic_steps=False`` (no copy of the parameters and
+                   optimizer state before each step to undo a failed one: DDP keeps none).
 
 Figures: training samples per second over both ranks (rank 0's clock, after a warm-up), median
 of several rounds, the contenders interleaved. Target: asyncddp at least as fast as DDP (>= 1.0x).
@@ -33,7 +35,7 @@ import asyncddp.distributed
 
 
 def _asyncddp_rank(
-    rank: int, port: int, threads: int, workload: str, steps: int, results: Any
+    rank: int, port: int, threads: int, workload: str, steps: int, atomic: bool, results: Any
 ) -> None:
     torch.set_num_threads(threads)
     os.environ.update(
@@ -50,7 +52,9 @@ def _asyncddp_rank(
 
         async def run() -> float:
             torch.manual_seed(0)
-            trainer = asyncddp.Trainer(make(), SGD, step, devices="cpu", progress_bar=False)
+            trainer = asyncddp.Trainer(
+                make(), SGD, step, devices="cpu", progress_bar=False, atomic_steps=atomic
+            )
             await trainer.fit(halves[:6], epochs=1)  # warm-up: threads, replica, first steps
             result = await trainer.fit(halves, epochs=2)
             return steps * BATCH / result.history[-1].seconds
@@ -62,7 +66,7 @@ def _asyncddp_rank(
         asyncddp.distributed.destroy()
 
 
-def asyncddp_2proc(workload: str, steps: int, threads: int) -> float:
+def asyncddp_2proc(workload: str, steps: int, threads: int, atomic: bool = True) -> float:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -70,7 +74,8 @@ def asyncddp_2proc(workload: str, steps: int, threads: int) -> float:
     results = context.Queue()
     ranks = [
         context.Process(
-            target=_asyncddp_rank, args=(rank, port, max(1, threads // 2), workload, steps, results)
+            target=_asyncddp_rank,
+            args=(rank, port, max(1, threads // 2), workload, steps, atomic, results),
         )
         for rank in range(2)
     ]
@@ -81,6 +86,9 @@ def asyncddp_2proc(workload: str, steps: int, threads: int) -> float:
         if process.exitcode != 0:
             raise RuntimeError(f"an asyncddp rank failed with exit code {process.exitcode}")
     return float(results.get(timeout=10))
+
+
+NO_BACKUP = "asyncddp-2proc atomic_steps=False"
 
 
 def main() -> None:
@@ -98,16 +106,19 @@ def main() -> None:
         f"{args.steps} steps (torch {torch.__version__}, {os.cpu_count()} CPUs)"
     )
     for name, (_, shape) in WORKLOADS.items():
-        figures: dict[str, list[float]] = {"ddp-gloo-2": [], "asyncddp-2proc": []}
+        figures: dict[str, list[float]] = {"ddp-gloo-2": [], "asyncddp-2proc": [], NO_BACKUP: []}
         for _ in range(args.rounds):
             figures["ddp-gloo-2"].append(ddp_gloo(name, shape, args.steps, threads))
             figures["asyncddp-2proc"].append(asyncddp_2proc(name, args.steps, threads))
+            figures[NO_BACKUP].append(asyncddp_2proc(name, args.steps, threads, atomic=False))
         median = {key: statistics.median(values) for key, values in figures.items()}
         print(f"\n{name}")
         for key, value in median.items():
-            print(f"  {key:<15} {value:>9.0f} samples/s  ({1e3 * BATCH / value:6.2f} ms/step)")
+            print(f"  {key:<31} {value:>7.0f} samples/s  ({1e3 * BATCH / value:6.2f} ms/step)")
         ratio = median["asyncddp-2proc"] / median["ddp-gloo-2"]
         print(f"  asyncddp-2proc / ddp-gloo-2  {ratio:.2f}x  (target >= 1.0x)")
+        ratio = median[NO_BACKUP] / median["ddp-gloo-2"]
+        print(f"  {NO_BACKUP} / ddp-gloo-2  {ratio:.2f}x  (no undo, as DDP)")
 
 
 if __name__ == "__main__":
