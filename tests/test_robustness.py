@@ -127,7 +127,12 @@ def test_a_process_killed_while_writing_leaves_the_previous_checkpoint_whole(
                 line = process.stdout.readline()
                 assert line, "the writer died on its own"
                 writes += line.startswith("writing")
-            time.sleep(0.05 * attempt)  # somewhere inside the next write
+            if attempt:  # inside the next write: once its temporary file is there
+                deadline = time.monotonic() + 10.0
+                while time.monotonic() < deadline and not any(
+                    p.name.endswith(".tmp") for p in tmp_path.iterdir()
+                ):
+                    time.sleep(0.001)
             os.kill(process.pid, signal.SIGKILL)
             process.wait()
         killed_mid_write += any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
