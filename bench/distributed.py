@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing
 import os
-import socket
 import statistics
 from typing import Any
 
 import torch
-from throughput import BATCH, SGD, WORKLOADS, ddp_gloo, make_batches, step
+from throughput import BATCH, SGD, WORKLOADS, ddp_gloo, make_batches, run_two_ranks, step
 
 import asyncddp
 import asyncddp.distributed
@@ -67,25 +65,9 @@ def _asyncddp_rank(
 
 
 def asyncddp_2proc(workload: str, steps: int, threads: int, atomic: bool = True) -> float:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    ranks = [
-        context.Process(
-            target=_asyncddp_rank,
-            args=(rank, port, max(1, threads // 2), workload, steps, atomic, results),
-        )
-        for rank in range(2)
-    ]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(timeout=600)
-        if process.exitcode != 0:
-            raise RuntimeError(f"an asyncddp rank failed with exit code {process.exitcode}")
-    return float(results.get(timeout=10))
+    return run_two_ranks(
+        _asyncddp_rank, max(1, threads // 2), workload, steps, atomic, name="asyncddp"
+    )
 
 
 NO_BACKUP = "asyncddp-2proc atomic_steps=False"
