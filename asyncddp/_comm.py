@@ -49,7 +49,8 @@ import torch
 import torch.distributed as dist
 
 from ._devices import Device
-from ._exceptions import ConfigurationError, WorkerFailedError
+from ._exceptions import ConfigurationError, WorkerFailedError, _message, _qualified_name
+from ._sync import clip_coefficient
 
 __all__ = ["Comm", "Failure", "Global", "PeerFailed", "RankLost"]
 
@@ -137,6 +138,11 @@ class Global:
     used: list[bool] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def unused(self) -> tuple[int, ...]:
+        """The parameters no device of any rank gave a gradient (the step leaves them out)."""
+        return tuple(i for i, used in enumerate(self.used) if not used)
+
 
 def describe(error: BaseException, rank: int, device: Device, **where: Any) -> Failure:
     """What this rank tells the others about ``error``."""
@@ -147,11 +153,12 @@ def describe(error: BaseException, rank: int, device: Device, **where: Any) -> F
         cause = error.__cause__ if error.__cause__ is not None else error
         error_type, message = error.error_type, error.error_message
     else:
-        error_type = _type_name(type(error))
+        error_type = _qualified_name(type(error))
         message = _message(error) or ("the fit was cancelled" if _cancelled(error) else "")
+    pickled: bytes | None
     try:
-        pickled: bytes | None = pickle.dumps(cause)
-        pickle.loads(pickle.dumps(cause))  # some exceptions pickle but cannot be rebuilt
+        pickled = pickle.dumps(cause)
+        pickle.loads(pickled)  # some exceptions pickle but cannot be rebuilt
     except Exception:
         pickled = None
     return Failure(
@@ -465,20 +472,6 @@ def _cancelled(error: BaseException) -> bool:
     return not isinstance(error, Exception)
 
 
-def _type_name(cls: type[BaseException]) -> str:
-    module = cls.__module__
-    if module in {"builtins", "__main__"}:
-        return cls.__qualname__
-    return f"{module}.{cls.__qualname__}"
-
-
-def _message(error: BaseException) -> str:
-    try:
-        return str(error)
-    except Exception:
-        return f"<unprintable {type(error).__name__}>"
-
-
 def clip_and_scale(
     tensors: Sequence[torch.Tensor], scale: float, clip: float | None, want_finite: bool
 ) -> tuple[float, bool]:
@@ -488,8 +481,8 @@ def clip_and_scale(
         norm_sq = sum(float(torch.linalg.vector_norm(t, dtype=torch.float32) ** 2) for t in tensors)
         norm = math.sqrt(norm_sq) * scale
         finite = math.isfinite(norm)
-        if finite and norm > clip:
-            coefficient = scale * clip / (norm + 1e-6)
+        if finite:
+            coefficient = scale * clip_coefficient(norm, clip)
     elif want_finite:
         finite = all(bool(torch.isfinite(t).all()) for t in tensors)
     return coefficient, finite

@@ -264,10 +264,7 @@ class DistributedSteps(Steps):
         counts = [shard_items(shard) for shard in shards]
         opens = window.done == 0
         self._window_open = True
-        self._apply_id += 1
-        apply = ApplyWork(
-            1.0, self.atomic_steps, self.lr_scheduler_interval == "step", self._apply_id, ()
-        )
+        apply = self._apply_work()  # its coefficient and unused parameters: found in the job
         train = TrainWork(shards[0], float(counts[0]), counts[0], opens)
         exchange = self._exchange_work(window)
         comm = self._comm
@@ -343,15 +340,7 @@ class DistributedSteps(Steps):
             if not finite:  # every rank sees the same sums: all skip this step together
                 await self._abandon()
                 return self._replicas[0].lr()
-        self._apply_id += 1
-        unused = tuple(i for i, used_anywhere in enumerate(result.used) if not used_anywhere)
-        work = ApplyWork(
-            coefficient,
-            self.atomic_steps,
-            self.lr_scheduler_interval == "step",
-            self._apply_id,
-            unused,
-        )
+        work = self._apply_work(coefficient, result.unused)
         stepped: list[float | None] = []  # the replicas that stepped, even if cancelled
 
         def apply(ctx: WorkerContext, work: ApplyWork) -> float | None:

@@ -20,7 +20,7 @@ from . import _comm
 from ._comm import Comm, Global
 from ._data import move_to
 from ._replica import Replica, StepFunction, loss_and_metrics
-from ._sync import all_gather, reduce_scatter
+from ._sync import all_gather, clip_coefficient, reduce_scatter
 from ._worker import WorkerContext
 
 __all__ = [
@@ -201,8 +201,8 @@ class Jobs:
                 [replica.grads], 0, work.scale, want_norm=work.clip is not None
             )
             coefficient = 1.0
-            if work.clip is not None and math.sqrt(norm_sq) > work.clip:
-                coefficient = work.clip / (math.sqrt(norm_sq) + 1e-6)
+            if work.clip is not None:
+                coefficient = clip_coefficient(math.sqrt(norm_sq), work.clip)
             unused = tuple(i for i, used in enumerate(replica.used) if not used)
             lr = self.apply(
                 ctx, dataclasses.replace(work.apply, coefficient=coefficient, unused=unused)
@@ -233,7 +233,7 @@ class Jobs:
         )
         if result.items == 0:  # no rank had data: no step
             return result, replica.lr()
-        unused = tuple(i for i, used_anywhere in enumerate(result.used) if not used_anywhere)
+        unused = result.unused
         try:
             lr = self.apply(ctx, dataclasses.replace(apply, coefficient=coefficient, unused=unused))
         except BaseException as exc:

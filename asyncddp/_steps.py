@@ -35,6 +35,7 @@ from ._jobs import ApplyWork, FusedWork, Jobs, NonFiniteLoss, Sums, TrainWork
 from ._precision import LossScaler
 from ._replica import Replica
 from ._scheduler import StepScheduler
+from ._sync import clip_coefficient
 
 __all__ = ["DeviceDroppedWarning", "Steps", "Window"]
 
@@ -98,6 +99,17 @@ class Steps:
 
     def _distributed(self) -> bool:
         return False
+
+    def _apply_work(self, coefficient: float = 1.0, unused: tuple[int, ...] = ()) -> ApplyWork:
+        """The next optimizer step's work, under a new apply id."""
+        self._apply_id += 1
+        return ApplyWork(
+            coefficient,
+            self.atomic_steps,
+            self.lr_scheduler_interval == "step",
+            self._apply_id,
+            unused,
+        )
 
     async def _distributed_step(self, window: Window, epoch: int) -> float | None:
         raise NotImplementedError
@@ -280,10 +292,7 @@ class Steps:
         self._window_open = True
         k_scale = self.accumulate_grad_batches != 1  # see _forward_backward
         weight = float(counts[0]) if k_scale else 1.0
-        self._apply_id += 1
-        apply = ApplyWork(
-            1.0, self.atomic_steps, self.lr_scheduler_interval == "step", self._apply_id, ()
-        )
+        apply = self._apply_work()  # its coefficient and unused parameters: found in the job
         work = FusedWork(
             TrainWork(shards[0], weight, counts[0], opens),
             1.0 / items if k_scale else 1.0,
@@ -343,19 +352,12 @@ class Steps:
                 await self._abandon()
                 return self._replicas[0].lr()
         coefficient = 1.0
-        if self.gradient_clip_val is not None and norm > self.gradient_clip_val:
-            coefficient = self.gradient_clip_val / (norm + 1e-6)
-        self._apply_id += 1
+        if self.gradient_clip_val is not None:
+            coefficient = clip_coefficient(norm, self.gradient_clip_val)
         unused = tuple(
             i for i in range(len(self._replicas[0].params)) if not window.sums.used >> i & 1
         )
-        work = ApplyWork(
-            coefficient,
-            self.atomic_steps,
-            self.lr_scheduler_interval == "step",
-            self._apply_id,
-            unused,
-        )
+        work = self._apply_work(coefficient, unused)
         try:
             applied = await self._run_all(jobs.apply, work, phase="optimizer", shield=True)
         except BaseException:

@@ -27,12 +27,18 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FlatGrads", "StepBackup", "bucket_layout", "chunk_bounds"]
+__all__ = ["FlatGrads", "StepBackup", "bucket_layout", "chunk_bounds", "clip_coefficient"]
 
 
 def chunk_bounds(numel: int, parts: int, index: int) -> tuple[int, int]:
     """The ``index``-th of ``parts`` near-equal slices of ``range(numel)``."""
     return numel * index // parts, numel * (index + 1) // parts
+
+
+def clip_coefficient(norm: float, clip: float) -> float:
+    """What to multiply gradients of global L2 ``norm`` by to clip them to ``clip`` (as
+    ``torch.nn.utils.clip_grad_norm_``); 1.0 when they are within it."""
+    return clip / (norm + 1e-6) if norm > clip else 1.0
 
 
 def bucket_layout(params: Sequence[nn.Parameter], parts: int) -> list[tuple[int, torch.dtype]]:
