@@ -198,7 +198,6 @@ class Comm:
         self.layout: list[tuple[int, torch.dtype]] = []
         # Where collectives' tensors live: NCCL needs them on this process's GPU.
         self._wire = self.devices[0].torch_device if self.backend == "nccl" else torch.device("cpu")
-        self._sent = torch.zeros(0)
         self._incident = 0
         self._fingerprint = fingerprint
 
@@ -358,9 +357,10 @@ class Comm:
         wait = datetime.timedelta(seconds=timeout)
         values = self._fill(0, 0, 0.0, {}, False, False, None, failed=True, new=())
         try:
-            for work in self._issue(values, ()):
+            sent = values.to(self._wire)
+            for work in self._issue([sent]):
                 work.wait(timeout=wait)
-            values = self._sent.cpu()
+            values = sent.cpu()
             if values[_BUCKETS] > 0:
                 # The others are in a step's exchange: they sum their gradients with the
                 # header, so this rank joins with buckets of the same layout.
@@ -373,7 +373,7 @@ class Comm:
         """All-reduce zero buckets of a step's layout, with the ranks that sent theirs."""
         dummies = [torch.zeros(n, dtype=t, device=self._wire) for n, t in self.layout]
         try:
-            for work in self._issue(None, dummies):
+            for work in self._issue(dummies):
                 if wait is None:
                     work.wait()
                 else:
@@ -393,24 +393,21 @@ class Comm:
 
     def _all_reduce(self, values: torch.Tensor, buckets: Sequence[torch.Tensor] = ()) -> None:
         """Sum ``values`` (a header, on the CPU) and ``buckets`` over the ranks, in place."""
+        sent = values.to(self._wire)  # the tensor itself when it is there already (gloo)
         try:
-            works = self._issue(values, buckets)
-            for work in works:
+            for work in self._issue([sent, *buckets]):
                 work.wait()
         except RuntimeError as error:
             raise self.lost(error) from error
-        if self.backend == "nccl":
-            values.copy_(self._sent.cpu())
+        if sent is not values:
+            values.copy_(sent.cpu())
             torch.cuda.synchronize(self._wire)  # NCCL runs on streams of its own
 
-    def _issue(self, values: torch.Tensor | None, buckets: Sequence[torch.Tensor]) -> list[Any]:
-        """Start the all-reduces of ``values`` and of ``buckets`` (in pieces of at most
-        ``BUCKET_BYTES``), all at once; returns their works, to wait for."""
+    def _issue(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
+        """Start the all-reduces of ``tensors`` (in pieces of at most ``BUCKET_BYTES``), all at
+        once; returns their works, to wait for."""
         works = []
-        if values is not None:
-            self._sent = values.to(self._wire) if self.backend == "nccl" else values
-            works.append(dist.all_reduce(self._sent, async_op=True))
-        for tensor in buckets:
+        for tensor in tensors:
             per = max(1, BUCKET_BYTES // tensor.element_size())
             for piece in torch.split(tensor, per):
                 works.append(dist.all_reduce(piece, async_op=True))
