@@ -393,6 +393,9 @@ class Trainer(Resumable):
         During a fit it waits for the current optimizer step to end, so the checkpoint holds a
         consistent state. The file is written on a thread, not on the event loop.
         """
+        while self._scheduler is None and self._session_kind is not None:
+            assert self._session_done is not None  # a fit or validate closing its session:
+            await self._session_done.wait()  # the checkpoint holds the state it ends with
         if self._scheduler is not None and self._step_lock is not None:
             async with self._step_lock:
                 state = await self._snapshot()

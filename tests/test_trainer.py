@@ -660,6 +660,37 @@ async def test_resume_latest_from_the_checkpoint_dir(tmp_path: Any) -> None:
     assert_close(again.model, reference(batches, 3, SGD))
 
 
+async def test_save_checkpoint_while_a_fit_ends_waits_for_the_end(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A checkpoint asked for while the fit closes its session (its workers are being joined,
+    # the fit has not returned) waits for the fit's end and holds its final state, instead of
+    # being refused as if the caller had started a second fit.
+    closing = anyio.Event()
+    close = asyncddp.StepScheduler.aclose
+
+    async def slow_close(self: asyncddp.StepScheduler) -> None:
+        closing.set()
+        await anyio.sleep(0.2)
+        await close(self)
+
+    monkeypatch.setattr(asyncddp.StepScheduler, "aclose", slow_close)
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), progress_bar=False)
+    saved: list[Any] = []
+
+    async def save_when_closing() -> None:
+        await closing.wait()
+        saved.append(await trainer.save_checkpoint(tmp_path / "end.ckpt"))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(save_when_closing)
+        result = await trainer.fit(make_batches([4, 4, 4]), epochs=1)
+    state = torch.load(saved[0], weights_only=False)
+    assert state["global_step"] == result.global_step == 3
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(state["model"][name], param.detach())
+
+
 async def test_a_corrupt_checkpoint_raises_a_clear_error(tmp_path: Any) -> None:
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), progress_bar=False)
     path = await trainer.save_checkpoint(tmp_path / "good.ckpt")
