@@ -26,6 +26,15 @@ import asyncddp.distributed
 FAIL_AT = 3  # the global step at which the failure scenarios fail
 
 
+def this_step() -> int:
+    """The number of the step a step function runs in. (``Trainer.global_step`` counts the
+    steps the event loop has counted: under a process group, one device per rank, the loop
+    counts a step while the next one runs.)"""
+    ctx = asyncddp.current_worker()
+    assert ctx is not None
+    return ctx.step
+
+
 def model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
@@ -87,7 +96,7 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
     elif scenario in ("raise", "kill"):
 
         def failing(model: torch.nn.Module, batch: Any) -> Any:
-            if rank == 1 and t.global_step == FAIL_AT:
+            if rank == 1 and this_step() == FAIL_AT:
                 if scenario == "kill":
                     (out / "killed_at").write_text(repr(time.time()))
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -175,7 +184,7 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
     elif scenario == "raise-twice":  # both ranks fit again after a failure; it comes again
 
         def fails(model: torch.nn.Module, batch: Any) -> Any:
-            if rank == 1 and t.global_step == FAIL_AT:
+            if rank == 1 and this_step() == FAIL_AT:
                 raise ValueError("injected failure on rank 1")
             return step(model, batch)
 
@@ -193,7 +202,7 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         once = threading.Lock()  # one device of the rank is late, or cancels
 
         def late(model: torch.nn.Module, batch: Any) -> Any:
-            if t.global_step == FAIL_AT and "first" not in report and once.acquire(False):
+            if this_step() == FAIL_AT and "first" not in report and once.acquire(False):
                 if rank == 0:
                     time.sleep(1.0)
                 else:
@@ -296,6 +305,42 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
             await t.fit(batches(40, 8), epochs=1)
         if rank == 0:  # for the test to continue with one process
             await t.save_checkpoint(out / "two.ckpt")
+    elif scenario == "mid-fit-checkpoint":
+        # Rank 0 saves a checkpoint from another task after every step while the fit runs (a
+        # step in flight, the next one queued behind it). Each must hold the parameters of the
+        # step it counts: those a step function sees when that many steps are done.
+        seen: dict[int, list[torch.Tensor]] = {}
+
+        def recording(model: torch.nn.Module, batch: Any) -> Any:
+            seen[this_step()] = [p.detach().clone() for p in model.parameters()]
+            return step(model, batch)
+
+        t = trainer(1, step=recording)
+        saved: list[Path] = []
+
+        async def save_in_fit() -> None:
+            async for event in t.events():
+                if rank == 0 and isinstance(event, asyncddp.StepEnded) and event.step < 15:
+                    saved.append(await t.save_checkpoint(out / f"step{event.step}.ckpt"))
+
+        async with asyncio.TaskGroup() as group:
+            group.create_task(save_in_fit())
+            result = await t.fit(batches(40, 8), epochs=1)
+        report["global_step"] = result.global_step
+        report["params"] = [p.detach().clone() for p in t.model.parameters()]
+        report["checkpoints"] = []
+        for path in saved:
+            state = torch.load(path, weights_only=False)
+            at = state["global_step"]
+            params = [state["model"][name] for name, _ in t.model.named_parameters()]
+            expected = seen[at] if at in seen else report["params"]
+            same = all(torch.equal(a, b) for a, b in zip(params, expected, strict=True))
+            report["checkpoints"].append((at, same))
+        resumed = trainer(1)
+        middle = out / "step4.ckpt"
+        result = await resumed.fit(batches(40, 8), epochs=1, resume=middle)
+        report["resumed_global_step"] = result.global_step
+        report["resumed_params"] = [p.detach().clone() for p in resumed.model.parameters()]
     elif scenario == "late-peer":  # rank 0 loads a batch late; rank 1 waits longer than
         # step_timeout for it in the step's exchange: its device is not what is slow
 

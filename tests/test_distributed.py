@@ -207,6 +207,28 @@ def test_rank_0_checkpoints_and_every_rank_resumes(tmp_path: Path) -> None:
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
+def test_checkpoints_saved_during_a_fit_hold_the_step_they_count(tmp_path: Path) -> None:
+    # With one device per rank the epoch loop queues each step behind the running one; a
+    # checkpoint saved meanwhile (from another task) must hold the parameters of the step it
+    # counts, or a fit resumed from it would train a batch twice or not at all.
+    reports, codes, _ = launch("mid-fit-checkpoint", tmp_path)
+    assert codes == [0, 0]
+    first, second = reports
+    assert first is not None
+    assert second is not None
+    assert len(first["checkpoints"]) == 15
+    assert [same for _, same in first["checkpoints"]] == [True] * 15, first["checkpoints"]
+    steps = [at for at, _ in first["checkpoints"]]
+    assert steps == sorted(steps)
+    assert all(at >= number + 1 for number, at in enumerate(steps))
+    assert steps[0] < 10  # saved during the fit: it waited for the steps in flight, no longer
+    for report in reports:
+        assert report is not None
+        assert report["global_step"] == report["resumed_global_step"] == 20
+        for a, b in zip(report["params"], report["resumed_params"], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
 def test_metrics_are_those_each_phase_reported(tmp_path: Path) -> None:
     # Training reports "accuracy", validation "error": neither shows up in the other's figures.
     reports, codes, _ = launch("metrics", tmp_path)
