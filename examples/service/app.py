@@ -130,19 +130,20 @@ async def train(job: Job) -> None:
             job.record(event)
 
     pumping = asyncio.create_task(pump())
+    status, message = "done", None
     try:
         await trainer.fit(
             make_batches(request.batches, request.batch_size, seed=0), epochs=request.epochs
         )
-        job.status = "done"
     except asyncio.CancelledError:
-        job.status = "cancelled"
+        status = "cancelled"
         raise
     except Exception as error:  # reported to clients, not raised into the server
-        job.status = "failed"
-        job.error = f"{type(error).__name__}: {error}"
+        status, message = "failed", f"{type(error).__name__}: {error}"
     finally:
         await asyncio.shield(pumping)  # FitEnded was published: the pump ends by itself
+        # Only now, with every event in the log: a stream that sees the job ended has them all.
+        job.status, job.error = status, message
         job._changed.set()
 
 
