@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -34,12 +33,11 @@ from ._exceptions import ConfigurationError, WorkerFailedError
 from ._jobs import ApplyWork, ExchangeWork, Sums, TrainWork, exchange_gradients
 from ._loop import current_waker
 from ._ranks import rank_view
-from ._scheduler import _Submitted
 from ._steps import Steps, Window, shard_items
 from ._sync import bucket_layout
 from ._worker import WorkerContext
 
-__all__ = ["DistributedSteps", "InFlight", "StepSkipped", "collective"]
+__all__ = ["DistributedSteps", "collective"]
 
 #: How long a failing rank waits for the others to hear of it before it raises anyway.
 ANNOUNCE_TIMEOUT = 60.0
@@ -79,23 +77,6 @@ async def collective(fn: Callable[..., T], *args: Any) -> tuple[T, BaseException
             raise cancellation
         raise value
     return value, cancellation
-
-
-class StepSkipped(Exception):
-    """A step queued behind another did nothing: the one before it failed, or the ranks agreed
-    to stop after it. Its batches were not trained on."""
-
-
-@dataclass
-class InFlight:
-    """A step whose job is queued (:meth:`DistributedSteps._submit_fused`)."""
-
-    window: Window
-    counts: list[int]
-    apply_id: int
-    submitted: _Submitted | None = None
-    ran: list[tuple[Global, float | None]] = field(default_factory=list)
-    skipped: bool = False
 
 
 class DistributedSteps(Steps):
@@ -279,20 +260,6 @@ class DistributedSteps(Steps):
         self._agree_on_stop(result)
 
     async def _distributed_fused_step(self, window: Window, epoch: int) -> float | None:
-        inflight = self._submit_fused(window, epoch, self.global_step, halt=None)
-        return await self._complete_fused(inflight)
-
-    def _submit_fused(
-        self, window: Window, epoch: int, step: int, halt: threading.Event | None
-    ) -> InFlight:
-        """Queue the window's step (one device: forward, backward, exchange, optimizer step)
-        as one job, now; :meth:`_complete_fused` waits for it.
-
-        With ``halt``, the step may be queued behind the one running (the epoch loop keeps one
-        step ahead): the job then does nothing if ``halt`` is set when it starts, and sets it
-        when the step fails or the ranks agree to stop after it, so the step behind it is
-        never taken. ``step`` is its number, for errors.
-        """
         shards = self._shards(window.batches[window.done])
         counts = [shard_items(shard) for shard in shards]
         opens = window.done == 0
@@ -303,66 +270,40 @@ class DistributedSteps(Steps):
         comm = self._comm
         assert comm is not None
         earlier = window.sums
-        jobs = self._jobs()
-        inflight = InFlight(window, counts, apply.apply_id)
+        done: list[tuple[Global, float | None]] = []  # the job's outcome, even if cancelled
 
-        def job(ctx: WorkerContext, _: Any) -> tuple[Global, float | None] | None:
-            if halt is not None and halt.is_set():
-                inflight.skipped = True  # an earlier step failed, or the ranks stopped
-                return None
-            try:
-                outcome = jobs.distributed_step(ctx, train, earlier, apply, exchange, comm)
-            except BaseException:
-                if halt is not None:
-                    halt.set()
-                raise
-            inflight.ran.append(outcome)  # the job's outcome, even if the caller is cancelled
-            if halt is not None and outcome[0].stop:
-                halt.set()
+        def job(ctx: WorkerContext, _: Any) -> tuple[Global, float | None]:
+            outcome = self._jobs().distributed_step(ctx, train, earlier, apply, exchange, comm)
+            done.append(outcome)
             return outcome
 
-        # Shielded: the job's exchange cannot be left half way (see the module's notes).
-        inflight.submitted = self._require_scheduler()._submit(
-            job, [None], items=counts, step=step, epoch=epoch, phase="train", shield=True
-        )
-        if halt is not None:  # cancelled while this step runs: the one behind it stays put
-            inflight.submitted.on_cancel = halt.set
-        return inflight
-
-    async def _complete_fused(self, inflight: InFlight) -> float | None:
-        """Wait for a step queued by :meth:`_submit_fused`; returns its learning rate, or
-        raises :class:`StepSkipped` if its job did nothing (see there).
-
-        A cancellation that comes once the exchange is done is kept in ``_cancelled_in_step``:
-        the step is taken here as on every rank, and the caller raises it once it is counted.
-        """
-        window = inflight.window
-        assert inflight.submitted is not None
-        submitted, inflight.submitted = inflight.submitted, None
-        outcome: tuple[Global, float | None] | None
         try:
-            result = await self._require_scheduler()._collect(submitted)
-            outcome = result.outputs[0]
+            # Shielded: the job's exchange cannot be left half way (see the module's notes).
+            result = await self._require_scheduler().run(
+                job,
+                [None],
+                items=counts,
+                step=self.global_step,
+                epoch=epoch,
+                phase="train",
+                shield=True,
+            )
+            result_global, lr = result.outputs[0]
         except BaseException as error:
-            if inflight.ran and not isinstance(error, Exception):
+            if done and not isinstance(error, Exception):
                 # Cancelled, but every rank took this step: so does this one.
-                outcome = inflight.ran[0]
+                result_global, lr = done[0]
                 self._cancelled_in_step = error
-            elif inflight.skipped:
-                raise  # the job did nothing: nothing to undo
             else:
                 if isinstance(error, WorkerFailedError):
                     error.phase = getattr(error.__cause__, "_asyncddp_phase", error.phase)
-                stepped = self._replicas[0].stepped_at == inflight.apply_id
-                undone = not await self._abandon(inflight.apply_id)
+                stepped = self._replicas[0].stepped_at == self._apply_id
+                undone = not await self._abandon(self._apply_id)
                 if not undone or (not self.atomic_steps and stepped):
                     self._consistent = False
                 raise
-        if outcome is None:
-            raise StepSkipped
-        result_global, lr = outcome
         name = self.devices[0].name
-        window.device_items[name] = window.device_items.get(name, 0) + inflight.counts[0]
+        window.device_items[name] = window.device_items.get(name, 0) + counts[0]
         window.done += 1
         self._settle(window, result_global)
         self._window_open = False

@@ -7,15 +7,13 @@ devices, and the failure policy), this module (epochs and validation), and ``_re
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +22,9 @@ from tqdm.auto import tqdm
 
 from . import _checkpoint, _comm
 from ._data import items_in, items_total, pin
-from ._dsteps import DistributedSteps, InFlight, StepSkipped
+from ._dsteps import DistributedSteps
 from ._events import EpochEnded, StepEnded, ValidationEnded
-from ._exceptions import ConfigurationError, DataError, WorkerFailedError
+from ._exceptions import ConfigurationError, DataError
 from ._jobs import Jobs, Sums
 from ._loader import Prefetcher
 from ._progress import ProgressTracker
@@ -47,15 +45,6 @@ class EpochRecord:
     valid_metrics: Mapping[str, float] | None
     items: int
     seconds: float
-
-
-@dataclass
-class _Ahead:
-    """The epoch loop one step ahead of the devices (:meth:`Epochs._step_ahead`)."""
-
-    halt: threading.Event = field(default_factory=threading.Event)
-    pending: InFlight | None = None  # queued on the worker, not yet counted
-    locked: bool = False  # the step lock is held while steps are in flight
 
 
 class Epochs(DistributedSteps):
@@ -118,17 +107,12 @@ class Epochs(DistributedSteps):
         window, pending, seen, exhausted = Window(), [], 0, True
         bar = self._progress_bar(epoch, epochs, total, tracker.progress.items_processed)
         self._last_global = None
-        ahead = _Ahead() if self._can_step_ahead() else None
-        report = (epoch, tracker, tracked, bar)
 
         async def step(window: Window) -> None:
             await self._step(window, epoch, True, tracker, tracked, bar)
 
         try:
-            async with (
-                self._prefetcher(self._rank_data(data, epoch), "train_data") as batches,
-                self._ahead_flushed(ahead, report),
-            ):
+            async with self._prefetcher(self._rank_data(data, epoch), "train_data") as batches:
                 async for batch in batches:
                     if resume_rng is not None:
                         _checkpoint.restore_rng(resume_rng)  # the loader has drawn its seed
@@ -144,23 +128,16 @@ class Epochs(DistributedSteps):
                     window.batches.append(pending[:per_step])
                     pending = pending[per_step:]
                     final = len(window.batches) == self.accumulate_grad_batches
-                    if ahead is not None:
-                        await self._step_ahead(ahead, window, report)
-                    else:
-                        await self._step(window, epoch, final, tracker, tracked, bar)
+                    await self._step(window, epoch, final, tracker, tracked, bar)
                     if final:
                         window = Window()
                         if self._should_stop():
-                            # Stopped: the epoch is over only if the data is used up too (a
-                            # step queued ahead and not taken holds a batch).
-                            left = ahead is not None and await self._flush_ahead(ahead, report)
-                            exhausted = not left and await anext(batches, None) is None
+                            # Stopped: the epoch is over only if the data is used up too.
+                            exhausted = await anext(batches, None) is None
                             if self._distributed():
                                 exhausted = await self._all_exhausted(exhausted)
                             break
                 else:
-                    if ahead is not None:
-                        await self._flush_ahead(ahead, report)
                     if resume_rng is not None:
                         _checkpoint.restore_rng(resume_rng)
                     if pending:
@@ -208,34 +185,18 @@ class Epochs(DistributedSteps):
         assert self._step_lock is not None
         async with self._step_lock:  # a checkpoint sees either all of this step or none
             lr = await self._run_step(window, epoch, final=True)
-            taken = self._count(window)
+            self._batches_done += window.batch_count
+            self._epoch_sums.add(window.sums)
+            for name, count in window.device_items.items():
+                self._epoch_items[name] = self._epoch_items.get(name, 0) + count
+            taken = window.sums.items > 0  # else nothing to learn from: no step was taken
+            if taken:
+                self.global_step += 1
         cancelled, self._cancelled_in_step = self._cancelled_in_step, None
         if cancelled is not None:  # across ranks: after a step that every rank took
             raise cancelled
-        if taken:
-            self._report(window, lr, epoch, tracker, tracked, bar)
-
-    def _count(self, window: Window) -> bool:
-        """Count a window's step (under the step lock); returns whether a step was taken."""
-        self._batches_done += window.batch_count
-        self._epoch_sums.add(window.sums)
-        for name, count in window.device_items.items():
-            self._epoch_items[name] = self._epoch_items.get(name, 0) + count
-        taken = window.sums.items > 0  # else nothing to learn from: no step was taken
-        if taken:
-            self.global_step += 1
-        return taken
-
-    def _report(
-        self,
-        window: Window,
-        lr: float | None,
-        epoch: int,
-        tracker: ProgressTracker,
-        tracked: list[str],
-        bar: Any,
-    ) -> None:
-        """A taken step's progress, progress bar and :class:`StepEnded` event."""
+        if not taken:
+            return
         progress = tracker.update([window.device_items.get(name, 0) for name in tracked])
         items = window.sums.items
         loss = window.sums.loss / items
@@ -252,113 +213,6 @@ class Epochs(DistributedSteps):
                 lr,
             )
         )
-
-    # -- one step ahead ---------------------------------------------------------------------
-
-    def _can_step_ahead(self) -> bool:
-        """Whether the epoch loop queues each step behind the one running: across ranks with
-        one device each and whole steps in one job (the ``torchrun`` set-up). The worker then
-        goes from one step's job to the next without waiting for the event loop, which counts
-        and reports a step while the next one runs (measured: ~0.9 ms a step of hand-offs and
-        bookkeeping, on 2 CPU ranks)."""
-        return (
-            self._comm is not None
-            and len(self.devices) == 1
-            and self._scaler is None
-            and self.accumulate_grad_batches == 1
-            and self.step_timeout is None
-        )
-
-    async def _step_ahead(
-        self, ahead: _Ahead, window: Window, report: tuple[int, ProgressTracker, list[str], Any]
-    ) -> None:
-        """Queue ``window``'s step, then count and report the one before it.
-
-        The step lock is held while steps are in flight, so a checkpoint sees the counts and
-        the parameters of the same step; when a task waits for the lock (a checkpoint), the
-        steps in flight are finished and the lock let go.
-        """
-        lock = self._step_lock
-        assert lock is not None
-        if not ahead.locked:
-            await lock.acquire()
-            ahead.locked = True
-        number = self.global_step + (ahead.pending is not None)
-        queued = self._submit_fused(window, report[0], number, ahead.halt)
-        previous, ahead.pending = ahead.pending, queued
-        if previous is not None:
-            await self._finish_ahead(ahead, previous, report)
-        if lock.statistics().tasks_waiting:
-            await self._flush_ahead(ahead, report)
-
-    async def _finish_ahead(
-        self,
-        ahead: _Ahead,
-        inflight: InFlight,
-        report: tuple[int, ProgressTracker, list[str], Any],
-        *,
-        quiet: bool = False,
-    ) -> bool:
-        """Wait for a queued step, count and report it; returns False if it was not taken
-        (its job did nothing: see ``_submit_fused``). If it failed, the step behind it is
-        finished first (it does nothing), then the failure goes on as an unqueued step's
-        would. ``quiet``: another error is on its way; this one's own is dropped."""
-        try:
-            lr = await self._complete_fused(inflight)
-        except StepSkipped:
-            return False
-        except BaseException as error:
-            ahead.halt.set()
-            if quiet and isinstance(error, Exception):
-                return False
-            await self._flush_ahead(ahead, report, quiet=True)
-            if isinstance(error, WorkerFailedError):
-                await self._on_failure(error, inflight.window, report[0], 0)  # raises
-            raise
-        taken = self._count(inflight.window)
-        cancelled, self._cancelled_in_step = self._cancelled_in_step, None
-        if taken:
-            self._report(inflight.window, lr, *report)
-        if cancelled is not None:  # after a step every rank took; the one behind it too
-            ahead.halt.set()
-            if not quiet:
-                await self._flush_ahead(ahead, report, quiet=True)
-            raise cancelled
-        return True
-
-    async def _flush_ahead(
-        self,
-        ahead: _Ahead,
-        report: tuple[int, ProgressTracker, list[str], Any],
-        *,
-        quiet: bool = False,
-    ) -> bool:
-        """Finish the step in flight and let go of the step lock; returns whether a queued
-        step was not taken (its batch is left over)."""
-        queued, ahead.pending = ahead.pending, None
-        try:
-            return queued is not None and not await self._finish_ahead(
-                ahead, queued, report, quiet=quiet
-            )
-        finally:
-            if ahead.locked:
-                ahead.locked = False
-                assert self._step_lock is not None
-                self._step_lock.release()
-
-    @contextlib.asynccontextmanager
-    async def _ahead_flushed(
-        self, ahead: _Ahead | None, report: tuple[int, ProgressTracker, list[str], Any]
-    ) -> Any:
-        """On an error in the epoch loop, the step in flight is finished (and counted: every
-        rank takes it) before the error goes on, so that no collective is left running."""
-        try:
-            yield
-        finally:
-            if ahead is not None and (ahead.pending is not None or ahead.locked):
-                ahead.halt.set()  # a step not yet started stays so
-                with anyio.CancelScope(shield=True):
-                    await self._flush_ahead(ahead, report, quiet=True)
 
     def _epoch_record(self, epoch: int) -> EpochRecord:
         sums = self._epoch_sums

@@ -29,21 +29,18 @@ class Waker(Protocol):
     async def wait(self, deadline: float | None) -> bool:
         """Wait for a wake until ``deadline`` (``time.monotonic()``); False if it passed.
 
-        A wake may be spurious (one meant for an earlier wait): callers check again what
-        they wait for. Cancellable: a cancellation of the waiting task propagates.
+        Cancellable: a cancellation of the waiting task propagates.
         """
 
     async def wait_shielded(self, deadline: float | None) -> tuple[bool, BaseException | None]:
-        """Like :meth:`wait`, but a cancellation neither ends the caller's wait nor is lost.
+        """Like :meth:`wait`, but a cancellation neither interrupts nor is lost.
 
         Returns:
-            ``(woken, cancellation)``. Under asyncio, ``cancellation`` is a ``CancelledError``
-            that arrived while waiting (a plain ``task.cancel()``): it ends this call at once,
-            as a (spurious) wake, so that the caller learns of it while it goes on waiting; the
-            caller must re-raise it once done, as that very object: anyio recognises its own
-            cancellations by it. Cancellations from anyio or trio cancel scopes are held off by
-            a shielding scope and come back, level-triggered, at the next checkpoint; then it
-            is None.
+            ``(woken, cancellation)``. Under asyncio, ``cancellation`` is the first
+            ``CancelledError`` that arrived while waiting (a plain ``task.cancel()``), which the
+            caller must re-raise, as that very object: anyio recognises its own cancellations
+            by it. Cancellations from anyio or trio cancel scopes are held off by a shielding
+            scope and come back, level-triggered, at the next checkpoint; then it is None.
         """
 
 
@@ -56,13 +53,6 @@ class _AsyncioWaker:
         self._pending = False
 
     def wake_threadsafe(self) -> None:
-        self._pending = True
-        if self._future is None and _GIL:
-            # Nobody waits: the next wait() sees the flag, and no loop wake-up is spent (a
-            # prefetcher hands over a batch while the loop waits for the step, not for it).
-            # wait() sets _future before it reads the flag again, this reads _future after
-            # setting the flag: under the GIL one of the two sees the other's write.
-            return
         try:  # noqa: SIM105 (once per step: no context manager on this path)
             self._loop.call_soon_threadsafe(self._wake)
         except RuntimeError:
@@ -81,8 +71,7 @@ class _AsyncioWaker:
             if deadline is not None:
                 timer = self._loop.call_at(deadline, _resolve, future)
             try:
-                if not self._pending:  # a wake between the check and _future: see above
-                    await future
+                await future
             finally:
                 self._future = None
                 if timer is not None:
@@ -92,20 +81,17 @@ class _AsyncioWaker:
         return woken
 
     async def wait_shielded(self, deadline: float | None) -> tuple[bool, BaseException | None]:
+        cancellation: BaseException | None = None
         # Without the shield, an anyio cancel scope would cancel this task again on every
-        # pass of the caller's loop, and it would spin until the wait ended.
+        # loop pass, and this loop would spin until the wait ended.
         with anyio.CancelScope(shield=True):
-            try:
-                woken = await self.wait(deadline)
-            except asyncio.CancelledError as exc:
-                # Returned at once, as a wake: the caller may act on it before waiting again.
-                return True, exc
-        return woken, None
-
-
-#: Whether the GIL orders the flag and future hand-off of _AsyncioWaker (free-threaded builds
-#: without it always take the loop's thread-safe call).
-_GIL: bool = getattr(sys, "_is_gil_enabled", lambda: True)()
+            while True:
+                try:
+                    woken = await self.wait(deadline)
+                    break
+                except asyncio.CancelledError as exc:
+                    cancellation = cancellation or exc
+        return woken, cancellation
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -126,23 +126,6 @@ class _Step:
             return self.running == 0
 
 
-@dataclass
-class _Submitted:
-    """A step whose jobs are queued: what :meth:`StepScheduler._collect` needs."""
-
-    state: _Step
-    waker: Waker
-    deadline: float | None
-    counts: tuple[int, ...]
-    number: int
-    epoch: int | None
-    phase: str | None
-    shield: bool
-    #: Called on the event loop when a cancellation comes while a shielded step runs (the
-    #: trainer then stops the step queued behind it from starting).
-    on_cancel: Callable[[], None] | None = None
-
-
 def _execute(
     worker: DeviceWorker,
     state: CallerState,
@@ -421,29 +404,6 @@ class StepScheduler:
             the cancellation goes on; the event loop keeps running meanwhile, and the
             scheduler stays usable. With ``shield=True`` every job runs to its end first.
         """
-        submitted = self._submit(
-            fn, shards, items=items, step=step, epoch=epoch, phase=phase, shield=shield
-        )
-        del fn, shards  # an error's traceback holds this frame: see _collect's end
-        try:
-            return await self._collect(submitted)
-        finally:
-            del submitted
-
-    def _submit(
-        self,
-        fn: Callable[[WorkerContext, S], T],
-        shards: Sequence[S],
-        *,
-        items: Sequence[int] | None = None,
-        step: int | None = None,
-        epoch: int | None = None,
-        phase: str | None = "train",
-        shield: bool = False,
-    ) -> _Submitted:
-        """The first half of :meth:`run`: check, and queue the jobs now. The trainer queues a
-        step's job behind the one running, so that a worker goes from step to step without
-        waiting for the event loop; :meth:`_collect` is the second half."""
         if self._state != "open":
             raise SchedulerClosedError(
                 f"{self!r} is not open; use 'async with StepScheduler(...) as scheduler:'"
@@ -455,23 +415,9 @@ class StepScheduler:
         waker = current_waker()
         deadline = None if self.step_timeout is None else time.monotonic() + self.step_timeout
         state = self._dispatch(waker, fn, shards, number, phase, shield=shield)
-        return _Submitted(state, waker, deadline, counts, number, epoch, phase, shield)
-
-    async def _collect(self, submitted: _Submitted) -> StepResult[Any]:
-        """The second half of :meth:`run`: wait for the jobs, and make their outcome the
-        step's result or error (see :meth:`run`)."""
-        state, waker, deadline = submitted.state, submitted.waker, submitted.deadline
-        counts, number, epoch, phase = (
-            submitted.counts,
-            submitted.number,
-            submitted.epoch,
-            submitted.phase,
-        )
-        shield, on_cancel = submitted.shield, submitted.on_cancel
-        del submitted  # its state goes with this frame (see the end)
         cancellation: BaseException | None = None
         if shield:
-            cancellation = await self._wait_all_shielded(state, waker, deadline, on_cancel)
+            cancellation = await self._wait_all_shielded(state, waker, deadline)
             settled = state.settled()
         else:
             try:
@@ -480,7 +426,7 @@ class StepScheduler:
                 state.cancel()
                 await self._drain(state, waker)
                 state.forget_jobs()
-                del state
+                del state, shards, fn
                 raise
         timeout = None if settled else self._timeout_error(state, number, epoch, phase)
         error: BaseException | None = None
@@ -509,7 +455,7 @@ class StepScheduler:
         finally:
             # The traceback holds this frame: break the error -> frame -> error cycle, and
             # let the shards and outputs go while the caller holds the error.
-            del error, state, cancellation
+            del error, state, shards, fn, cancellation
 
     def _dispatch(
         self,
@@ -544,18 +490,12 @@ class StepScheduler:
 
     @staticmethod
     async def _wait_all_shielded(
-        state: _Step,
-        waker: Waker,
-        deadline: float | None,
-        on_cancel: Callable[[], None] | None = None,
+        state: _Step, waker: Waker, deadline: float | None
     ) -> BaseException | None:
-        """Wait, shielded, for every job; returns a cancellation that came meanwhile (and
-        calls ``on_cancel`` when it comes)."""
+        """Wait, shielded, for every job; returns a cancellation that came meanwhile."""
         cancellation: BaseException | None = None
         while not state.all_done():
             woken, cancelled = await waker.wait_shielded(deadline)
-            if cancelled is not None and cancellation is None and on_cancel is not None:
-                on_cancel()
             cancellation = cancellation or cancelled
             if not woken:
                 break

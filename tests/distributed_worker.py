@@ -27,9 +27,7 @@ FAIL_AT = 3  # the global step at which the failure scenarios fail
 
 
 def this_step() -> int:
-    """The number of the step a step function runs in. (``Trainer.global_step`` counts the
-    steps the event loop has counted: under a process group, one device per rank, the loop
-    counts a step while the next one runs.)"""
+    """The number of the step a step function runs in, as the scheduler numbered it."""
     ctx = asyncddp.current_worker()
     assert ctx is not None
     return ctx.step
@@ -306,9 +304,9 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         if rank == 0:  # for the test to continue with one process
             await t.save_checkpoint(out / "two.ckpt")
     elif scenario == "mid-fit-checkpoint":
-        # Rank 0 saves a checkpoint from another task after every step while the fit runs (a
-        # step in flight, the next one queued behind it). Each must hold the parameters of the
-        # step it counts: those a step function sees when that many steps are done.
+        # Rank 0 saves a checkpoint from another task after every step while the fit runs.
+        # Each must hold the parameters of the step it counts: those a step function sees
+        # when that many steps are done.
         seen: dict[int, list[torch.Tensor]] = {}
 
         def recording(model: torch.nn.Module, batch: Any) -> Any:

@@ -208,9 +208,8 @@ def test_rank_0_checkpoints_and_every_rank_resumes(tmp_path: Path) -> None:
 
 
 def test_checkpoints_saved_during_a_fit_hold_the_step_they_count(tmp_path: Path) -> None:
-    # With one device per rank the epoch loop queues each step behind the running one; a
-    # checkpoint saved meanwhile (from another task) must hold the parameters of the step it
-    # counts, or a fit resumed from it would train a batch twice or not at all.
+    # A checkpoint saved from another task while the ranks train must hold the parameters of
+    # the step it counts, or a fit resumed from it would train a batch twice or not at all.
     reports, codes, _ = launch("mid-fit-checkpoint", tmp_path)
     assert codes == [0, 0]
     first, second = reports
