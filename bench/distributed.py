@@ -15,6 +15,10 @@ batch of 256 per step: 128 items per rank.
 
 Figures: training samples per second over both ranks (rank 0's clock, after a warm-up), median
 of several rounds, the contenders interleaved. Target: asyncddp at least as fast as DDP (>= 1.0x).
+Beside them, rank 0's CPU time a step (``time.process_time``, every thread of its process: the
+step's own work, the threads' hand-offs, gloo's threads) and, for asyncddp, how much of it ran on
+the event loop's thread (``time.thread_time``): with one core per process, CPU a step more than
+DDP's is wall time a step more.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import asyncio
 import os
 import statistics
+import time
 from typing import Any
 
 import torch
@@ -48,26 +53,33 @@ def _asyncddp_rank(
             (x[part::2], y[part::2]) for x, y in make_batches(shape, steps) for part in range(2)
         ]
 
-        async def run() -> float:
+        async def run() -> tuple[float, float, float]:
             torch.manual_seed(0)
             trainer = asyncddp.Trainer(
                 make(), SGD, step, devices="cpu", progress_bar=False, atomic_steps=atomic
             )
             await trainer.fit(halves[:6], epochs=1)  # warm-up: threads, replica, first steps
+            cpu, loop = time.process_time(), time.thread_time()
             result = await trainer.fit(halves, epochs=2)
-            return steps * BATCH / result.history[-1].seconds
+            cpu, loop = time.process_time() - cpu, time.thread_time() - loop
+            return steps * BATCH / result.history[-1].seconds, 1e3 * cpu / steps, 1e3 * loop / steps
 
-        samples_per_second = asyncio.run(run())
+        figures = asyncio.run(run())
         if rank == 0:
-            results.put(samples_per_second)
+            results.put(figures)
     finally:
         asyncddp.distributed.destroy()
 
 
-def asyncddp_2proc(workload: str, steps: int, threads: int, atomic: bool = True) -> float:
-    return run_two_ranks(
+def asyncddp_2proc(
+    workload: str, steps: int, threads: int, atomic: bool = True
+) -> tuple[float, float, float]:
+    """Samples per second, and rank 0's CPU time a step in ms: its whole process's, and its
+    event loop thread's."""
+    samples_per_second, cpu, loop = run_two_ranks(
         _asyncddp_rank, max(1, threads // 2), workload, steps, atomic, name="asyncddp"
     )
+    return float(samples_per_second), float(cpu), float(loop)
 
 
 NO_BACKUP = "asyncddp-2proc atomic_steps=False"
@@ -88,19 +100,30 @@ def main() -> None:
         f"{args.steps} steps (torch {torch.__version__}, {os.cpu_count()} CPUs)"
     )
     for name, (_, shape) in WORKLOADS.items():
-        figures: dict[str, list[float]] = {"ddp-gloo-2": [], "asyncddp-2proc": [], NO_BACKUP: []}
+        figures: dict[str, list[tuple[float, ...]]] = {
+            "ddp-gloo-2": [],
+            "asyncddp-2proc": [],
+            NO_BACKUP: [],
+        }
         for _ in range(args.rounds):
             figures["ddp-gloo-2"].append(ddp_gloo(name, shape, args.steps, threads))
             figures["asyncddp-2proc"].append(asyncddp_2proc(name, args.steps, threads))
             figures[NO_BACKUP].append(asyncddp_2proc(name, args.steps, threads, atomic=False))
-        median = {key: statistics.median(values) for key, values in figures.items()}
+        median = {
+            key: [statistics.median(column) for column in zip(*rows, strict=True)]
+            for key, rows in figures.items()
+        }
         print(f"\n{name}")
-        for key, value in median.items():
-            print(f"  {key:<31} {value:>7.0f} samples/s  ({1e3 * BATCH / value:6.2f} ms/step)")
-        ratio = median["asyncddp-2proc"] / median["ddp-gloo-2"]
-        print(f"  asyncddp-2proc / ddp-gloo-2  {ratio:.2f}x  (target >= 1.0x)")
-        ratio = median[NO_BACKUP] / median["ddp-gloo-2"]
-        print(f"  {NO_BACKUP} / ddp-gloo-2  {ratio:.2f}x  (no undo, as DDP)")
+        print(f"  {'':<33} {'samples/s':>9} {'ms/step':>8} {'CPU ms/step':>12} {'of it, loop':>12}")
+        for key, (value, cpu, *loop) in median.items():
+            looped = f"{loop[0]:>12.2f}" if loop else f"{'':>12}"
+            print(f"  {key:<33} {value:>9.0f} {1e3 * BATCH / value:>8.2f} {cpu:>12.2f} {looped}")
+        ours, ddp = median["asyncddp-2proc"], median["ddp-gloo-2"]
+        print(f"  asyncddp-2proc / ddp-gloo-2  {ours[0] / ddp[0]:.2f}x  (target >= 1.0x)")
+        print(
+            f"  {NO_BACKUP} / ddp-gloo-2  {median[NO_BACKUP][0] / ddp[0]:.2f}x  (no undo, as DDP)"
+        )
+        print(f"  CPU a step, asyncddp over DDP: {ours[1] - ddp[1]:+.2f} ms (rank 0's process)")
 
 
 if __name__ == "__main__":

@@ -133,18 +133,23 @@ def _ddp_rank(
         batches = [(x[rank::2], y[rank::2]) for x, y in make_batches(shape, steps)]
         train(model, optimizer, batches[:3])  # warm-up
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         train(model, optimizer, batches)
+        cpu = time.process_time() - cpu  # before the barrier: its wait is not the step's
         dist.barrier()
         if rank == 0:
-            results.put(len(batches) * BATCH / (time.perf_counter() - start))
+            samples_per_second = len(batches) * BATCH / (time.perf_counter() - start)
+            results.put((samples_per_second, 1e3 * cpu / len(batches)))
     finally:
         dist.destroy_process_group()
 
 
-def ddp_gloo(workload: str, shape: tuple[int, ...], steps: int, threads: int) -> float:
-    """DDP's samples per second; a run whose gloo rank aborts (seen once here: "terminate
-    called without an active exception" at shutdown) is run again, up to three times."""
+def ddp_gloo(
+    workload: str, shape: tuple[int, ...], steps: int, threads: int
+) -> tuple[float, float]:
+    """DDP's samples per second, and rank 0's CPU time a step in ms (every thread of its
+    process); a run whose gloo rank aborts (seen once here: "terminate called without an
+    active exception" at shutdown) is run again, up to three times."""
     for attempt in range(3):
         try:
             return _ddp_gloo_once(workload, shape, steps, threads)
@@ -153,11 +158,16 @@ def ddp_gloo(workload: str, shape: tuple[int, ...], steps: int, threads: int) ->
     raise RuntimeError("ddp-gloo-2 failed three times")
 
 
-def _ddp_gloo_once(workload: str, shape: tuple[int, ...], steps: int, threads: int) -> float:
-    return run_two_ranks(_ddp_rank, max(1, threads // 2), shape, workload, steps, name="DDP")
+def _ddp_gloo_once(
+    workload: str, shape: tuple[int, ...], steps: int, threads: int
+) -> tuple[float, float]:
+    samples_per_second, cpu = run_two_ranks(
+        _ddp_rank, max(1, threads // 2), shape, workload, steps, name="DDP"
+    )
+    return float(samples_per_second), float(cpu)
 
 
-def run_two_ranks(target: Callable[..., None], *args: Any, name: str) -> float:
+def run_two_ranks(target: Callable[..., None], *args: Any, name: str) -> Any:
     """Run ``target(rank, port, *args, results)`` in 2 spawned processes on a free localhost
     port; returns what rank 0 put in ``results``.
 
@@ -179,7 +189,7 @@ def run_two_ranks(target: Callable[..., None], *args: Any, name: str) -> float:
         raise RuntimeError(f"a {name} rank failed: exit codes {codes}")
     if -6 in codes:
         print(f"  ({name}: a rank aborted in gloo's teardown after measuring; figure kept)")
-    return float(results.get(timeout=10))
+    return results.get(timeout=10)
 
 
 def measure_alone(contender: str, workload: str, steps: int) -> float:
@@ -232,7 +242,7 @@ async def main() -> None:
             for contender in ("plain", "asyncddp-1", "asyncddp-2"):
                 figures[contender].append(measure_alone(contender, name, args.steps))
             if not args.no_ddp:
-                figures["ddp-gloo-2"].append(ddp_gloo(name, shape, args.steps, threads))
+                figures["ddp-gloo-2"].append(ddp_gloo(name, shape, args.steps, threads)[0])
         median = {key: statistics.median(values) for key, values in figures.items() if values}
         print(f"\n{name}")
         for key, value in median.items():
