@@ -330,13 +330,14 @@ class Comm:
 
     def broadcast_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
         """Rank 0's ``buffers`` (BatchNorm statistics) into this rank's, in place, as DDP's
-        ``broadcast_buffers``: one broadcast per dtype."""
+        ``broadcast_buffers``: one broadcast per dtype. Any tensors will do: the trainer sends
+        the initial parameters this way too (blocking)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for buffer in buffers:
             by_dtype.setdefault(buffer.dtype, []).append(buffer)
         try:
             for group in by_dtype.values():
-                flat = torch.cat([buffer.detach().reshape(-1) for buffer in group])
+                flat = torch.cat([buffer.detach().reshape(-1).to(self._wire) for buffer in group])
                 dist.broadcast(flat, src=0)
                 parts = torch.split(flat, [buffer.numel() for buffer in group])
                 with torch.no_grad():

@@ -133,11 +133,18 @@ class DistributedSteps(Steps):
             f"params={[tuple(p.shape) for p in params]} devices={len(self.devices)} "
             f"accumulate={self.accumulate_grad_batches} split={self.split_batches} "
             f"clip={self.gradient_clip_val} scaler={self._scaler is not None} "
-            f"buffers={[(tuple(b.shape), b.dtype) for b in model.buffers()]}"
+            f"buffers={[(tuple(b.shape), b.dtype) for b in model.buffers()]} "
+            f"frozen={[tuple(p.shape) for p in model.parameters() if not p.requires_grad]}"
         )
         comm = Comm(self.devices, len(params), fingerprint)
         comm.layout = bucket_layout(params, len(self.devices))
         _, cancellation = await collective(comm.setup)
+        if cancellation is None:
+            # Every rank starts from rank 0's parameters and buffers, as DDP does: the models
+            # (and the replicas, if some were built already) whatever each rank's seed.
+            models = [replica.model for replica in self._replicas] or [model]
+            tensors = [t for m in models for t in (*m.parameters(), *m.buffers())]
+            _, cancellation = await collective(comm.broadcast_buffers, tensors)
         self._comm = comm
         if self._data_seed is None:
             self._data_seed = comm.data_seed

@@ -43,7 +43,7 @@ def step(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> di
 
 async def main(epochs: int, devices: int) -> None:
     world = asyncddp.distributed.init()  # reads RANK, WORLD_SIZE, ... set by torchrun
-    torch.manual_seed(0)  # the same initial weights on every rank
+    torch.manual_seed(0)  # reproducible runs (rank 0's weights go to every rank anyway)
     train, valid = loaders()
     trainer = asyncddp.Trainer(
         torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)),

@@ -33,8 +33,8 @@ def this_step() -> int:
     return ctx.step
 
 
-def model() -> torch.nn.Module:
-    torch.manual_seed(0)
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
 
 
@@ -91,6 +91,22 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         ]
         report["global_step"] = result.global_step
         report["validate"] = await t.validate(batches(5, 10))
+    elif scenario.startswith("unseeded"):  # each rank's model starts from other weights
+        # "unseeded-built": 2 devices per rank, their replicas built (by a checkpoint) before
+        # the trainer joins the group.
+        built = scenario == "unseeded-built"
+        t = asyncddp.Trainer(
+            model(seed=100 + rank),
+            functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
+            step,
+            devices=asyncddp.cpu_devices(2 if built else 1),
+            progress_bar=False,
+        )
+        if built:
+            await t.save_checkpoint(out / f"before-{rank}.ckpt")
+        result = await t.fit(batches(), epochs=2, valid_data=batches(5, 10))
+        report["global_step"] = result.global_step
+        report["params"] = [p.detach().clone() for p in t.model.parameters()]
     elif scenario in ("raise", "kill"):
 
         def failing(model: torch.nn.Module, batch: Any) -> Any:

@@ -87,9 +87,10 @@ def launch(
 
 
 def reference_params(
-    batches: int = 7, **options: Any
+    batches: int = 7, seed: int = 0, **options: Any
 ) -> tuple[list[torch.Tensor], asyncddp.FitResult, Any]:
-    """One process, one device, each step given the ranks' batches of that step together."""
+    """One process, one device, each step given the ranks' batches of that step together,
+    from the model ``worker.model(seed)``."""
     import anyio
 
     data = worker.batches(batches)
@@ -98,7 +99,7 @@ def reference_params(
         for i in range(0, len(data), 2)
     ]
     trainer = asyncddp.Trainer(
-        worker.model(),
+        worker.model(seed),
         functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
         worker.step,
         devices="cpu",
@@ -133,6 +134,21 @@ def test_two_ranks_end_with_the_parameters_of_one_device(tmp_path: Path, devices
             # Validation over 5 batches on 2 ranks (3 + 2): exact over all 46 items.
             assert valid == pytest.approx(dict(record.valid_metrics or {}), abs=1e-6)
         assert report["validate"] == pytest.approx(metrics, abs=1e-6)
+
+
+@pytest.mark.parametrize("scenario", ["unseeded", "unseeded-built"])
+def test_every_rank_starts_from_rank_0s_parameters(tmp_path: Path, scenario: str) -> None:
+    # Each rank seeds its model differently: training starts from rank 0's weights on every
+    # rank (as DDP broadcasts them), so all end as one device would from rank 0's model; also
+    # when the replicas of 2 devices per rank were built before the trainer joined the group.
+    reports, codes, _ = launch(scenario, tmp_path)
+    assert codes == [0, 0]
+    params, result, _ = reference_params(seed=100)
+    for report in reports:
+        assert report is not None
+        assert report["global_step"] == result.global_step == 8
+        for mine, expected in zip(report["params"], params, strict=True):
+            torch.testing.assert_close(mine, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_a_rank_without_any_batch_joins_the_steps_and_does_not_hang(tmp_path: Path) -> None:
