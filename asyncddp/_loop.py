@@ -29,7 +29,8 @@ class Waker(Protocol):
     async def wait(self, deadline: float | None) -> bool:
         """Wait for a wake until ``deadline`` (``time.monotonic()``); False if it passed.
 
-        Cancellable: a cancellation of the waiting task propagates.
+        A wake may be spurious (one meant for an earlier wait): callers check again what
+        they wait for. Cancellable: a cancellation of the waiting task propagates.
         """
 
     async def wait_shielded(self, deadline: float | None) -> tuple[bool, BaseException | None]:
@@ -53,6 +54,13 @@ class _AsyncioWaker:
         self._pending = False
 
     def wake_threadsafe(self) -> None:
+        self._pending = True
+        if self._future is None and _GIL:
+            # Nobody waits: the next wait() sees the flag, and no loop wake-up is spent (a
+            # loader hands over a batch while the loop waits for the step, not for it).
+            # wait() sets _future before it reads the flag again; this reads _future after
+            # setting the flag: under the GIL one of the two sees the other's write.
+            return
         try:  # noqa: SIM105 (once per step: no context manager on this path)
             self._loop.call_soon_threadsafe(self._wake)
         except RuntimeError:
@@ -71,7 +79,8 @@ class _AsyncioWaker:
             if deadline is not None:
                 timer = self._loop.call_at(deadline, _resolve, future)
             try:
-                await future
+                if not self._pending:  # a wake between the check and _future: see above
+                    await future
             finally:
                 self._future = None
                 if timer is not None:
@@ -92,6 +101,11 @@ class _AsyncioWaker:
                 except asyncio.CancelledError as exc:
                     cancellation = cancellation or exc
         return woken, cancellation
+
+
+#: Whether the GIL orders _AsyncioWaker's flag and future hand-off (a free-threaded build
+#: without it always takes the loop's thread-safe call).
+_GIL: bool = getattr(sys, "_is_gil_enabled", lambda: True)()
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
