@@ -58,11 +58,17 @@ def items_in(batch: object) -> int:
         DataError: ``batch`` holds no tensor with a batch dimension, or tensors whose dim 0
             sizes differ.
     """
-    sizes = {
-        int(leaf.shape[0])
-        for leaf in _leaves(batch)
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
-    }
+    sizes: set[int] = set()
+    stack = [batch]  # a walk without generators: this runs several times a step
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            if value.dim() > 0:
+                sizes.add(int(value.shape[0]))
+        elif isinstance(value, (tuple, list)):
+            stack.extend(value)
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
     if not sizes:
         raise DataError(
             f"a batch must hold at least one tensor with a batch dimension (dim 0); got "
@@ -83,6 +89,8 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     shards are empty (0 items). The shards are views: nothing is copied.
     """
     size = items_in(batch)
+    if parts == 1:
+        return [batch]  # the one shard is the batch itself
     # Item counts that differ by at most one, the larger first, as tensor_split makes them.
     counts = [size // parts + (1 if i < size % parts else 0) for i in range(parts)]
     starts = [sum(counts[:i]) for i in range(parts)]
@@ -154,17 +162,6 @@ def items_total(data: Iterable[Any]) -> int | None:
         except DataError:
             return None
     return None
-
-
-def _leaves(value: object) -> Iterable[object]:
-    if isinstance(value, Mapping):
-        for item in value.values():
-            yield from _leaves(item)
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _leaves(item)
-    else:
-        yield value
 
 
 def _splittable(value: object) -> bool:

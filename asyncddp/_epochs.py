@@ -200,8 +200,9 @@ class Epochs(DistributedSteps):
         progress = tracker.update([window.device_items.get(name, 0) for name in tracked])
         items = window.sums.items
         loss = window.sums.loss / items
-        bar.update(items)
-        bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+        if not bar.disable:
+            bar.update(items)
+            bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
         self._hub.publish(
             StepEnded(
                 epoch,

@@ -438,7 +438,8 @@ class Trainer(Resumable):
             )
         self._session_kind = kind
         self._session_done = anyio.Event()
-        self._step_lock = anyio.Lock()
+        # fast_acquire: an uncontended step need not yield to the loop (the step awaits anyway)
+        self._step_lock = anyio.Lock(fast_acquire=True)
         scheduler = self._new_scheduler()
         scheduler.start()
         self._scheduler = scheduler
