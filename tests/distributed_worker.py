@@ -107,6 +107,35 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         result = await t.fit(batches(), epochs=2, valid_data=batches(5, 10))
         report["global_step"] = result.global_step
         report["params"] = [p.detach().clone() for p in t.model.parameters()]
+    elif scenario == "optimizer-raises":  # rank 1's optimizer step fails once it has stepped
+        seen: dict[int, list[torch.Tensor]] = {}
+
+        class Failing(torch.optim.SGD):
+            def step(self, closure: Any = None) -> Any:
+                result = super().step(closure)
+                if rank == 1 and this_step() == FAIL_AT:
+                    raise RuntimeError("injected optimizer failure on rank 1")
+                return result
+
+        def recording(model: torch.nn.Module, batch: Any) -> Any:
+            seen[this_step()] = [p.detach().clone() for p in model.parameters()]
+            return step(model, batch)
+
+        t = asyncddp.Trainer(
+            model(),
+            functools.partial(Failing, lr=0.2, momentum=0.9),
+            recording,
+            devices=asyncddp.cpu_devices(1),
+            progress_bar=False,
+        )
+        try:
+            await t.fit(batches(40, 8), epochs=1)
+            report["error"] = None
+        except asyncddp.WorkerFailedError as error:
+            report["error"] = (error.rank, error.phase, error.error_type)
+        report["params"] = [p.detach().clone() for p in t.model.parameters()]
+        report["before"] = seen[FAIL_AT]
+        report["global_step"] = t.global_step
     elif scenario in ("raise", "kill"):
 
         def failing(model: torch.nn.Module, batch: Any) -> Any:

@@ -223,6 +223,23 @@ def test_rank_0_checkpoints_and_every_rank_resumes(tmp_path: Path) -> None:
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
+def test_an_optimizer_step_that_fails_on_a_rank_is_undone_there(tmp_path: Path) -> None:
+    # Rank 1's optimizer raises once it has stepped: every rank raises naming rank 1, and rank
+    # 1's parameters are those it had before that step (the undo copy, taken while the step's
+    # exchange ran); rank 0 took the step and hears of the failure at the next exchange.
+    reports, codes, _ = launch("optimizer-raises", tmp_path)
+    assert codes == [0, 0]
+    first, second = reports
+    assert first is not None
+    assert second is not None
+    assert second["error"] == (1, "optimizer", "RuntimeError")
+    assert first["error"] is not None
+    assert first["error"][0] == 1
+    assert second["global_step"] == worker.FAIL_AT
+    for now, before in zip(second["params"], second["before"], strict=True):
+        assert torch.equal(now, before)
+
+
 def test_checkpoints_saved_during_a_fit_hold_the_step_they_count(tmp_path: Path) -> None:
     # A checkpoint saved from another task while the ranks train must hold the parameters of
     # the step it counts, or a fit resumed from it would train a batch twice or not at all.
