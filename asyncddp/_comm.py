@@ -41,7 +41,7 @@ import datetime
 import math
 import pickle
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -232,20 +232,18 @@ class Comm:
         stop: bool = False,
         used: Sequence[bool] | None = None,
         buckets: Sequence[torch.Tensor] = (),
-        meanwhile: Callable[[], None] | None = None,
     ) -> Global:
         """One exchange's header (blocking). Raises :class:`PeerFailed` if a rank failed.
 
         ``buckets`` (a step's gradients, laid out as :attr:`layout`) are summed over the ranks
         in place at the same time, so the header costs no round trip of its own; when a rank
-        failed their sums are meaningless, and dropped. ``meanwhile`` runs while the
-        collectives are under way (it must not touch what they sum).
+        failed their sums are meaningless, and dropped.
         """
         metrics = metrics or {}
         new = [name for name in metrics if name not in self.names]
         values = self._fill(kind, items, loss, metrics, active, stop, used, failed=False, new=new)
         values[_BUCKETS] = float(bool(buckets))  # sent with the header
-        self._all_reduce(values, buckets, meanwhile)
+        self._all_reduce(values, buckets)
         if values[_BUCKETS] > 0 and not buckets:
             self._join_buckets(None)  # others sent a step's buckets: out of step, or failed
         if values[_FAILED] > 0:
@@ -394,23 +392,12 @@ class Comm:
             raise self.lost(error) from error
         return [f for f in gathered if isinstance(f, Failure)]
 
-    def _all_reduce(
-        self,
-        values: torch.Tensor,
-        buckets: Sequence[torch.Tensor] = (),
-        meanwhile: Callable[[], None] | None = None,
-    ) -> None:
-        """Sum ``values`` (a header, on the CPU) and ``buckets`` over the ranks, in place;
-        ``meanwhile`` runs once they are started."""
+    def _all_reduce(self, values: torch.Tensor, buckets: Sequence[torch.Tensor] = ()) -> None:
+        """Sum ``values`` (a header, on the CPU) and ``buckets`` over the ranks, in place."""
         sent = values.to(self._wire)  # the tensor itself when it is there already (gloo)
         try:
-            works = self._issue([sent, *buckets])
-            try:
-                if meanwhile is not None:
-                    meanwhile()
-            finally:  # never leave a collective half way, even if meanwhile failed
-                for work in works:
-                    work.wait()
+            for work in self._issue([sent, *buckets]):
+                work.wait()
         except RuntimeError as error:
             raise self.lost(error) from error
         if sent is not values:

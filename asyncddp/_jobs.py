@@ -228,21 +228,14 @@ class Jobs:
         local.add(self.train(ctx, train))
         replica = self.replicas[ctx.device.index]
         used = [bool(local.used >> i & 1) for i in range(len(replica.params))]
-
-        def back_up() -> None:  # the parameters and optimizer state: the exchange sums grads
-            replica.backup.capture(replica.params, replica.optimizer, replica.scheduler)
-
-        # The undo copy is taken while the exchange waits for the other ranks, not after it.
-        meanwhile = back_up if apply.atomic else None
         result, coefficient, _ = exchange_gradients(
-            comm, local, used, replica.grads.buffers, replica.buffers, exchange, meanwhile
+            comm, local, used, replica.grads.buffers, replica.buffers, exchange
         )
         if result.items == 0:  # no rank had data: no step
             return result, replica.lr()
         unused = result.unused
         try:
-            work = dataclasses.replace(apply, coefficient=coefficient, unused=unused, atomic=False)
-            lr = self.apply(ctx, work)  # backed up already, if atomic
+            lr = self.apply(ctx, dataclasses.replace(apply, coefficient=coefficient, unused=unused))
         except BaseException as exc:
             with contextlib.suppress(Exception):  # tells the trainer which phase failed
                 exc._asyncddp_phase = "optimizer"  # type: ignore[attr-defined]
@@ -314,11 +307,10 @@ def exchange_gradients(
     buckets: list[torch.Tensor],
     buffers: list[torch.Tensor],
     work: ExchangeWork,
-    meanwhile: Callable[[], None] | None = None,
 ) -> tuple[Global, float, bool]:
     """The step's exchange (blocking): the header and the gradients together, then rank 0's
     model ``buffers`` if any rank had data (the first replica's; the others copy them in the
-    step). ``meanwhile`` runs while the header and gradients are under way.
+    step).
 
     Returns the global sums, the coefficient to multiply the summed gradients by (the mean
     over items, the loss scale undone, clipping), and whether they are all finite.
@@ -332,7 +324,6 @@ def exchange_gradients(
         stop=work.stop(),
         used=used,
         buckets=buckets,  # summed at the same time as the header
-        meanwhile=meanwhile,
     )
     if result.items == 0:
         return result, 1.0, True

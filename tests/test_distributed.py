@@ -225,8 +225,8 @@ def test_rank_0_checkpoints_and_every_rank_resumes(tmp_path: Path) -> None:
 
 def test_an_optimizer_step_that_fails_on_a_rank_is_undone_there(tmp_path: Path) -> None:
     # Rank 1's optimizer raises once it has stepped: every rank raises naming rank 1, and rank
-    # 1's parameters are those it had before that step (the undo copy, taken while the step's
-    # exchange ran); rank 0 took the step and hears of the failure at the next exchange.
+    # 1's parameters are those it had before that step (the undo copy); rank 0 took the step
+    # and hears of the failure at the next exchange.
     reports, codes, _ = launch("optimizer-raises", tmp_path)
     assert codes == [0, 0]
     first, second = reports
