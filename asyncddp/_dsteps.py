@@ -192,7 +192,7 @@ class DistributedSteps(Steps):
         if comm is None:
             return data
         seed = (self._data_seed or 0) + epoch
-        return rank_view(data, comm.rank, comm.world_size, seed)
+        return rank_view(data, comm.rank, comm.world_size, seed, epoch)
 
     async def _exchange(
         self, kind: int, sums: Sums | None = None, active: bool = False, last: bool = False

@@ -7,7 +7,9 @@ ranks' parts are disjoint and together are the whole data, each batch exactly on
 For a map-style ``DataLoader`` the striding is done on its batch sampler, so the batches of
 other ranks are never loaded; its first indices are drawn under a seed shared by the ranks (and
 changed every epoch), so a shuffling loader draws the same order on every rank. Any other
-iterable is iterated in full on every rank, the other ranks' batches skipped.
+iterable is iterated in full on every rank, the other ranks' batches skipped. A ``DataLoader``
+whose sampler is a ``DistributedSampler`` is sharded already: it is used as it is, its
+``set_epoch`` called before each epoch.
 """
 
 from __future__ import annotations
@@ -22,12 +24,16 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sa
 __all__ = ["rank_view"]
 
 
-def rank_view(data: Iterable[Any], rank: int, world_size: int, seed: int) -> Iterable[Any]:
-    """Rank ``rank``'s part of ``data``, for one epoch (``seed`` is the same on every rank)."""
+def rank_view(
+    data: Iterable[Any], rank: int, world_size: int, seed: int, epoch: int = 0
+) -> Iterable[Any]:
+    """Rank ``rank``'s part of ``data``, for epoch ``epoch`` (``seed`` is the same on every
+    rank)."""
     if world_size == 1:
         return data
     if isinstance(data, DataLoader):
         if isinstance(data.sampler, DistributedSampler):
+            data.sampler.set_epoch(epoch)  # a new order each epoch, as its docs ask
             return data  # sharded by the user already
         if not isinstance(data.dataset, IterableDataset) and data.batch_sampler is not None:
             return _restride(data, _StridedBatchSampler(data.batch_sampler, rank, world_size, seed))

@@ -136,6 +136,28 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         report["params"] = [p.detach().clone() for p in t.model.parameters()]
         report["before"] = seen[FAIL_AT]
         report["global_step"] = t.global_step
+    elif scenario == "distributed-sampler":  # the user's own DistributedSampler, shuffling
+        from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+        inputs = torch.randn(64, 6, generator=torch.Generator().manual_seed(3))
+        inputs[:, 0] = torch.arange(64, dtype=torch.float32)  # each sample's index
+        dataset = TensorDataset(inputs, torch.randint(0, 3, (64,)))
+        loader = DataLoader(dataset, batch_size=8, sampler=DistributedSampler(dataset, seed=5))
+        orders: dict[int, list[int]] = {}
+
+        def recording(model: torch.nn.Module, batch: Any) -> Any:
+            orders.setdefault(t.epoch, []).extend(int(i) for i in batch[0][:, 0])
+            return step(model, batch)
+
+        t = trainer(1, step=recording)
+        await t.fit(loader, epochs=2)
+        report["orders"] = orders
+        expected = {}
+        for epoch in range(2):
+            sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, seed=5)
+            sampler.set_epoch(epoch)
+            expected[epoch] = list(sampler)
+        report["expected"] = expected
     elif scenario in ("raise", "kill"):
 
         def failing(model: torch.nn.Module, batch: Any) -> Any:

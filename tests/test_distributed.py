@@ -151,6 +151,17 @@ def test_every_rank_starts_from_rank_0s_parameters(tmp_path: Path, scenario: str
             torch.testing.assert_close(mine, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_a_distributed_sampler_gets_a_new_order_each_epoch(tmp_path: Path) -> None:
+    # A DataLoader with the user's own DistributedSampler is used as it is, and its set_epoch
+    # is called before each epoch: each rank sees exactly the sampler's order for that epoch.
+    reports, codes, _ = launch("distributed-sampler", tmp_path)
+    assert codes == [0, 0]
+    for report in reports:
+        assert report is not None
+        assert report["orders"] == report["expected"]
+        assert report["orders"][0] != report["orders"][1]
+
+
 def test_a_rank_without_any_batch_joins_the_steps_and_does_not_hang(tmp_path: Path) -> None:
     reports, codes, _ = launch("exact-one", tmp_path)  # one batch, two ranks
     assert codes == [0, 0]
