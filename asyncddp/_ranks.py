@@ -4,12 +4,12 @@ Every rank is given the same data and keeps every ``W``-th batch, starting at it
 ranks' parts are disjoint and together are the whole data, each batch exactly once (unlike
 ``DistributedSampler``, which pads the ranks to equal counts by repeating samples).
 
-For a map-style ``DataLoader`` the striding is done on its batch sampler, so the batches of
-other ranks are never loaded; its first indices are drawn under a seed shared by the ranks (and
-changed every epoch), so a shuffling loader draws the same order on every rank. Any other
-iterable is iterated in full on every rank, the other ranks' batches skipped. A ``DataLoader``
-whose sampler is a ``DistributedSampler`` is sharded already: it is used as it is, its
-``set_epoch`` called before each epoch.
+For a map-style ``DataLoader`` (not a subclass, whose ``__iter__`` may do more) the striding is
+done on its batch sampler, so the batches of other ranks are never loaded; its first indices are
+drawn under a seed shared by the ranks (and changed every epoch), so a shuffling loader draws the
+same order on every rank. Any other iterable is iterated in full on every rank, the other ranks'
+batches skipped. A ``DataLoader`` whose sampler is a ``DistributedSampler`` is sharded already:
+it is used as it is, its ``set_epoch`` called before each epoch.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ def rank_view(
         if isinstance(data.sampler, DistributedSampler):
             data.sampler.set_epoch(epoch)  # a new order each epoch, as its docs ask
             return data  # sharded by the user already
-        if not isinstance(data.dataset, IterableDataset) and data.batch_sampler is not None:
+        # A subclass may do more than load batches (its own __iter__): it is iterated whole.
+        plain = type(data) is DataLoader and not isinstance(data.dataset, IterableDataset)
+        if plain and data.batch_sampler is not None:
             return _restride(data, _StridedBatchSampler(data.batch_sampler, rank, world_size, seed))
     return _Strided(data, rank, world_size, seed)
 

@@ -453,3 +453,41 @@ def test_init_without_the_torchrun_environment_says_how_to_launch(
         asyncddp.distributed.init()
     assert asyncddp.distributed.world() is None
     assert not asyncddp.distributed.is_initialized()
+
+
+# -- each rank's part of the data, without processes ---------------------------------------------
+
+
+def _first_column(batches: Any) -> list[int]:
+    return [int(value) for inputs, _ in batches for value in inputs[:, 0]]
+
+
+def test_a_dataloader_is_strided_in_its_batch_sampler() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from asyncddp._ranks import rank_view
+
+    inputs = torch.arange(40, dtype=torch.float32).reshape(20, 2)
+    loader = DataLoader(TensorDataset(inputs, torch.zeros(20)), batch_size=4)
+    parts = [list(rank_view(loader, rank, 2, seed=0)) for rank in range(2)]
+    assert _first_column(parts[0]) == [0, 2, 4, 6, 16, 18, 20, 22, 32, 34, 36, 38]
+    assert _first_column(parts[1]) == [8, 10, 12, 14, 24, 26, 28, 30]
+    assert len(rank_view(loader, 1, 2, seed=0)) == 2  # type: ignore[arg-type]
+
+
+def test_a_dataloader_subclass_keeps_what_its_iter_does() -> None:
+    # Its own __iter__ (here: it scales every batch) runs; each rank keeps its batches of it.
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from asyncddp._ranks import rank_view
+
+    class Scaled(DataLoader[Any]):
+        def __iter__(self) -> Any:
+            for inputs, targets in super().__iter__():
+                yield inputs * 10, targets
+
+    inputs = torch.arange(40, dtype=torch.float32).reshape(20, 2)
+    loader = Scaled(TensorDataset(inputs, torch.zeros(20)), batch_size=4)
+    parts = [list(rank_view(loader, rank, 2, seed=0)) for rank in range(2)]
+    assert _first_column(parts[0]) == [0, 20, 40, 60, 160, 180, 200, 220, 320, 340, 360, 380]
+    assert _first_column(parts[1]) == [80, 100, 120, 140, 240, 260, 280, 300]
