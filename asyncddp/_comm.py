@@ -328,10 +328,20 @@ class Comm:
 
     # -- gradients ---------------------------------------------------------------------------
 
+    def broadcast_from_rank_0(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Rank 0's ``tensors`` into this rank's, in place, from a thread of its own: on a GPU
+        it waits for the copies, so that every stream sees them (blocking). A header comes
+        first, so that a rank that failed before (or was cancelled while joining) is heard of
+        here, as in :meth:`share`."""
+        self.header(SETUP)
+        self.broadcast_buffers(tensors)
+        if self._wire.type == "cuda":
+            torch.cuda.synchronize(self._wire)
+
     def broadcast_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
         """Rank 0's ``buffers`` (BatchNorm statistics) into this rank's, in place, as DDP's
-        ``broadcast_buffers``: one broadcast per dtype. Any tensors will do: the trainer sends
-        the initial parameters this way too (blocking)."""
+        ``broadcast_buffers``: one broadcast per dtype (blocking). Called in a step's job,
+        whose stream orders the copies before the step's later work."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for buffer in buffers:
             by_dtype.setdefault(buffer.dtype, []).append(buffer)

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import anyio
+import torch
 
 from . import _comm, distributed
 from ._comm import Comm, Global
@@ -83,6 +84,7 @@ class DistributedSteps(Steps):
     """The cross-rank step of :class:`Trainer` (a mixin: the trainer owns the state)."""
 
     _comm: Comm | None
+    _from_rank_0: bool  # whether this rank has taken rank 0's model since joining
     _last_global: Global | None
     _stop_agreed: bool
     _stop_reason: str | None
@@ -139,15 +141,31 @@ class DistributedSteps(Steps):
         comm = Comm(self.devices, len(params), fingerprint)
         comm.layout = bucket_layout(params, len(self.devices))
         _, cancellation = await collective(comm.setup)
-        if cancellation is None:
-            # Every rank starts from rank 0's parameters and buffers, as DDP does: the models
-            # (and the replicas, if some were built already) whatever each rank's seed.
-            models = [replica.model for replica in self._replicas] or [model]
-            tensors = [t for m in models for t in (*m.parameters(), *m.buffers())]
-            _, cancellation = await collective(comm.broadcast_buffers, tensors)
         self._comm = comm
+        self._from_rank_0 = False  # the first fit or validate session takes rank 0's model
         if self._data_seed is None:
             self._data_seed = comm.data_seed
+        if cancellation is not None:
+            raise cancellation
+
+    async def _take_rank_0s_model(self) -> None:
+        """In the first fit or validate session after joining (every rank is in it), once the
+        replicas are built and a loaded state is in them: every rank takes rank 0's
+        parameters and buffers, as DDP does when it wraps a model, so that ranks seeded or
+        loaded differently train one model. Sent into the first replica, copied into the
+        others; a cancellation meanwhile waits for it (every rank takes part)."""
+        comm = self._comm
+        if comm is None or self._from_rank_0:
+            return
+        first = self._replicas[0].model
+        tensors = [*first.parameters(), *first.buffers()]
+        _, cancellation = await collective(comm.broadcast_from_rank_0, tensors)
+        with torch.no_grad():
+            for replica in self._replicas[1:]:
+                mine = [*replica.model.parameters(), *replica.model.buffers()]
+                for target, source in zip(mine, tensors, strict=True):
+                    target.copy_(source)
+        self._from_rank_0 = True
         if cancellation is not None:
             raise cancellation
 

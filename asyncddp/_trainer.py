@@ -232,6 +232,7 @@ class Trainer(Resumable):
         self._last_global: _comm.Global | None = None  # the last exchange's sums
         self._stop_agreed = False  # every rank knows of a stop() (only then do they stop)
         self._data_seed: int | None = None  # how the ranks shuffle alike
+        self._from_rank_0 = False  # across ranks: whether rank 0's model was taken yet
         self._cancelled_in_step: BaseException | None = None  # raised once the step is counted
         self._batches_world = 1  # how many processes counted _batches_done (each its own)
 
@@ -441,7 +442,12 @@ class Trainer(Resumable):
         # fast_acquire: an uncontended step need not yield to the loop (the step awaits anyway)
         self._step_lock = anyio.Lock(fast_acquire=True)
         scheduler = self._new_scheduler()
-        scheduler.start()
+        try:
+            scheduler.start()
+        except BaseException:
+            self._session_kind = None  # no session after all: nobody waits for its end
+            self._session_done.set()
+            raise
         self._scheduler = scheduler
         try:
             async with self._step_lock:  # a checkpoint waits until the replicas are ready
@@ -454,6 +460,8 @@ class Trainer(Resumable):
                     )
                 if self._window_open:  # a step cancelled or failed last time: undo it first
                     await self._abandon()
+                if kind in ("fit", "validate"):  # every rank is in these, none in a checkpoint
+                    await self._take_rank_0s_model()
             yield scheduler
         finally:
             # Dropping a device replaces the scheduler: close whichever one is current.

@@ -67,10 +67,17 @@ def valid_step(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     }
 
 
-def trainer(devices: int, step: Any = step, **options: Any) -> asyncddp.Trainer:
+def trainer(
+    devices: int,
+    step: Any = step,
+    optimizer: Any = torch.optim.SGD,
+    seed: int = 0,
+    **options: Any,
+) -> asyncddp.Trainer:
+    """The scenarios' trainer: ``model(seed)``, ``optimizer`` with lr 0.2 and momentum 0.9."""
     return asyncddp.Trainer(
-        model(),
-        functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
+        model(seed),
+        functools.partial(optimizer, lr=0.2, momentum=0.9),
         step,
         devices=asyncddp.cpu_devices(devices),
         progress_bar=False,
@@ -95,13 +102,7 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         # "unseeded-built": 2 devices per rank, their replicas built (by a checkpoint) before
         # the trainer joins the group.
         built = scenario == "unseeded-built"
-        t = asyncddp.Trainer(
-            model(seed=100 + rank),
-            functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
-            step,
-            devices=asyncddp.cpu_devices(2 if built else 1),
-            progress_bar=False,
-        )
+        t = trainer(2 if built else 1, seed=100 + rank)
         if built:
             await t.save_checkpoint(out / f"before-{rank}.ckpt")
         result = await t.fit(batches(), epochs=2, valid_data=batches(5, 10))
@@ -121,13 +122,7 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
             seen[this_step()] = [p.detach().clone() for p in model.parameters()]
             return step(model, batch)
 
-        t = asyncddp.Trainer(
-            model(),
-            functools.partial(Failing, lr=0.2, momentum=0.9),
-            recording,
-            devices=asyncddp.cpu_devices(1),
-            progress_bar=False,
-        )
+        t = trainer(1, step=recording, optimizer=Failing)
         try:
             await t.fit(batches(40, 8), epochs=1)
             report["error"] = None
@@ -136,6 +131,38 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         report["params"] = [p.detach().clone() for p in t.model.parameters()]
         report["before"] = seen[FAIL_AT]
         report["global_step"] = t.global_step
+    elif scenario == "cancel-in-join":
+        # Rank 1's first fit is cancelled while it waits for rank 0 (late) to join; then both
+        # ranks fit again, to the end. (Found by review: the cancelled rank used to skip the
+        # join's next collective, and both hung.)
+        t = trainer(1)
+        if rank == 0:
+            await asyncio.sleep(1.0)  # late to the join
+        fit = asyncio.ensure_future(t.fit(batches(), epochs=1))
+        if rank == 1:
+            asyncio.get_running_loop().call_later(0.3, fit.cancel)
+        try:
+            await fit
+            report["first"] = None
+        except asyncio.CancelledError:
+            report["first"] = "cancelled"
+        except asyncddp.WorkerFailedError as error:
+            report["first"] = (error.rank, error.error_type)
+        result = await t.fit(batches(), epochs=1)
+        report["global_step"] = result.global_step
+        report["params"] = [p.detach().clone() for p in t.model.parameters()]
+    elif scenario in ("checkpoint-before-fit", "loaded-differently"):
+        # Before the first fit, 2 devices a rank: rank 0 alone saves a checkpoint (which builds
+        # its replicas, not rank 1's); or each rank loads a state of its own, from a model of
+        # its own seed. Every rank still trains rank 0's one model. (Found by review.)
+        t = trainer(2)
+        if scenario == "checkpoint-before-fit" and rank == 0:
+            await t.save_checkpoint(out / "before.ckpt")
+        if scenario == "loaded-differently":
+            t.load_state_dict(trainer(1, seed=100 + rank).state_dict())
+        result = await t.fit(batches(), epochs=2, valid_data=batches(5, 10))
+        report["global_step"] = result.global_step
+        report["params"] = [p.detach().clone() for p in t.model.parameters()]
     elif scenario == "distributed-sampler":  # the user's own DistributedSampler, shuffling
         from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 

@@ -115,6 +115,18 @@ def reference_params(
     return [p.detach().clone() for p in trainer.model.parameters()], result, metrics
 
 
+def assert_end_as_one_device(
+    reports: list[dict[str, Any] | None], steps: int, **reference: Any
+) -> None:
+    """Every rank took ``steps`` steps and ends with ``reference_params(**reference)``."""
+    params, result, _ = reference_params(**reference)
+    for report in reports:
+        assert report is not None
+        assert report["global_step"] == result.global_step == steps
+        for mine, expected in zip(report["params"], params, strict=True):
+            torch.testing.assert_close(mine, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("devices", [1, 2], ids=["1-device-per-rank", "2-devices-per-rank"])
 def test_two_ranks_end_with_the_parameters_of_one_device(tmp_path: Path, devices: int) -> None:
     reports, codes, _ = launch(f"exact{devices}", tmp_path)
@@ -143,12 +155,34 @@ def test_every_rank_starts_from_rank_0s_parameters(tmp_path: Path, scenario: str
     # when the replicas of 2 devices per rank were built before the trainer joined the group.
     reports, codes, _ = launch(scenario, tmp_path)
     assert codes == [0, 0]
-    params, result, _ = reference_params(seed=100)
-    for report in reports:
-        assert report is not None
-        assert report["global_step"] == result.global_step == 8
-        for mine, expected in zip(report["params"], params, strict=True):
-            torch.testing.assert_close(mine, expected, atol=1e-5, rtol=1e-5)
+    assert_end_as_one_device(reports, 8, seed=100)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "seed"), [("checkpoint-before-fit", 0), ("loaded-differently", 100)]
+)
+def test_every_rank_takes_rank_0s_model_whatever_it_did_before(
+    tmp_path: Path, scenario: str, seed: int
+) -> None:
+    # 2 devices per rank. Rank 0 alone saved a checkpoint before the first fit (its replicas
+    # were built, rank 1's not); or each rank loaded a state of its own: every rank trains rank
+    # 0's model, as one device would from it.
+    reports, codes, _ = launch(scenario, tmp_path)
+    assert codes == [0, 0]
+    assert_end_as_one_device(reports, 8, seed=seed)
+
+
+def test_a_rank_cancelled_while_joining_leaves_the_others_in_step(tmp_path: Path) -> None:
+    reports, codes, _ = launch("cancel-in-join", tmp_path, timeout=90)
+    assert codes == [0, 0]
+    first, second = reports
+    assert first is not None
+    assert second is not None
+    assert second["first"] == "cancelled"
+    assert first["first"] is not None  # it heard of rank 1's cancellation
+    assert first["global_step"] == second["global_step"] == 4  # both fit again, to the end
+    for a, b in zip(first["params"], second["params"], strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_distributed_sampler_gets_a_new_order_each_epoch(tmp_path: Path) -> None:
@@ -165,12 +199,7 @@ def test_a_distributed_sampler_gets_a_new_order_each_epoch(tmp_path: Path) -> No
 def test_a_rank_without_any_batch_joins_the_steps_and_does_not_hang(tmp_path: Path) -> None:
     reports, codes, _ = launch("exact-one", tmp_path)  # one batch, two ranks
     assert codes == [0, 0]
-    params, result, _ = reference_params(batches=1)
-    for report in reports:
-        assert report is not None
-        assert report["global_step"] == result.global_step == 2
-        for mine, expected in zip(report["params"], params, strict=True):
-            torch.testing.assert_close(mine, expected, atol=1e-5, rtol=1e-5)
+    assert_end_as_one_device(reports, 2, batches=1)
 
 
 def test_a_rank_that_raises_makes_every_rank_raise_naming_it(tmp_path: Path) -> None:

@@ -691,6 +691,31 @@ async def test_save_checkpoint_while_a_fit_ends_waits_for_the_end(
         assert torch.equal(state["model"][name], param.detach())
 
 
+async def test_a_session_that_cannot_start_leaves_no_session_behind(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The workers fail to start: fit raises, and the trainer is not left "running" (a
+    # checkpoint would wait for that session's end for ever; found by review).
+    start = asyncddp.StepScheduler.start
+    calls = []
+
+    def failing_start(self: asyncddp.StepScheduler) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("no threads today")
+        start(self)
+
+    monkeypatch.setattr(asyncddp.StepScheduler, "start", failing_start)
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), progress_bar=False)
+    with pytest.raises(RuntimeError, match="no threads today"):
+        await trainer.fit(make_batches([4]), epochs=1)
+    with anyio.fail_after(10):
+        path = await trainer.save_checkpoint(tmp_path / "after.ckpt")
+    assert path.exists()
+    result = await trainer.fit(make_batches([4]), epochs=1)
+    assert result.global_step == 1
+
+
 async def test_a_corrupt_checkpoint_raises_a_clear_error(tmp_path: Any) -> None:
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), progress_bar=False)
     path = await trainer.save_checkpoint(tmp_path / "good.ckpt")
