@@ -29,12 +29,12 @@ def rank_view(
 ) -> Iterable[Any]:
     """Rank ``rank``'s part of ``data``, for epoch ``epoch`` (``seed`` is the same on every
     rank)."""
+    if isinstance(data, DataLoader) and isinstance(data.sampler, DistributedSampler):
+        data.sampler.set_epoch(epoch)  # a new order each epoch, as its docs ask
+        return data  # sharded by the user already
     if world_size == 1:
         return data
     if isinstance(data, DataLoader):
-        if isinstance(data.sampler, DistributedSampler):
-            data.sampler.set_epoch(epoch)  # a new order each epoch, as its docs ask
-            return data  # sharded by the user already
         # A subclass may do more than load batches (its own __iter__): it is iterated whole.
         plain = type(data) is DataLoader and not isinstance(data.dataset, IterableDataset)
         if plain and data.batch_sampler is not None:

@@ -130,21 +130,25 @@ async def train(job: Job) -> None:
             job.record(event)
 
     pumping = asyncio.create_task(pump())
-    status, message = "done", None
+    status, message = "failed", None  # unless the fit returns, is cancelled, or says why
     try:
         await trainer.fit(
             make_batches(request.batches, request.batch_size, seed=0), epochs=request.epochs
         )
+        status = "done"
     except asyncio.CancelledError:
         status = "cancelled"
         raise
     except Exception as error:  # reported to clients, not raised into the server
-        status, message = "failed", f"{type(error).__name__}: {error}"
+        message = f"{type(error).__name__}: {error}"
     finally:
-        await asyncio.shield(pumping)  # FitEnded was published: the pump ends by itself
-        # Only now, with every event in the log: a stream that sees the job ended has them all.
-        job.status, job.error = status, message
-        job._changed.set()
+        try:
+            await asyncio.shield(pumping)  # FitEnded was published: the pump ends by itself
+        finally:
+            # Only now, with every event in the log (or a second cancellation): a stream that
+            # sees the job ended has them all.
+            job.status, job.error = status, message
+            job._changed.set()
 
 
 @app.post("/jobs", status_code=201)
