@@ -55,7 +55,7 @@ from ._sync import clip_coefficient
 __all__ = ["Comm", "Failure", "Global", "PeerFailed", "RankLost"]
 
 # Exchange kinds.
-STEP, VALIDATION, STOP_CHECK, FIT_END, SETUP = 1, 2, 3, 4, 5
+STEP, VALIDATION, STOP_CHECK, FIT_END, SETUP, MODEL = 1, 2, 3, 4, 5, 6
 _KIND, _ITEMS, _LOSS, _ACTIVE, _FAILED, _STOP, _NEW, _BUCKETS = range(8)
 _FIXED = 8
 
@@ -332,8 +332,9 @@ class Comm:
         """Rank 0's ``tensors`` into this rank's, in place, from a thread of its own: on a GPU
         it waits for the copies, so that every stream sees them (blocking). A header comes
         first, so that a rank that failed before (or was cancelled while joining) is heard of
-        here, as in :meth:`share`."""
-        self.header(SETUP)
+        here, as in :meth:`share` (under a kind of its own: a rank in :meth:`share`, which
+        another fit's ``resume`` calls, is out of step with it)."""
+        self.header(MODEL)
         self.broadcast_buffers(tensors)
         if self._wire.type == "cuda":
             torch.cuda.synchronize(self._wire)

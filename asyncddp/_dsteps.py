@@ -165,6 +165,10 @@ class DistributedSteps(Steps):
                 mine = [*replica.model.parameters(), *replica.model.buffers()]
                 for target, source in zip(mine, tensors, strict=True):
                     target.copy_(source)
+                if replica.device.torch_device.type == "cuda":
+                    # Copied on the device's default stream: its worker's stream must not
+                    # read the parameters before the copies land.
+                    torch.cuda.synchronize(replica.device.torch_device)
         self._from_rank_0 = True
         if cancellation is not None:
             raise cancellation

@@ -332,6 +332,7 @@ class Trainer(Resumable):
             await self._join()
             if resume is not None:
                 self._adopt(await self._resume_state(resume))
+            await self._wait_for_checkpoint_session()  # one may have begun while joining
             async with self._session("fit"):
                 self._hub.publish(
                     FitStarted(
@@ -380,6 +381,7 @@ class Trainer(Resumable):
         self._refuse_if_running()  # before the try: across ranks, no failure to announce
         try:
             await self._join()
+            await self._wait_for_checkpoint_session()  # one may have begun while joining
             async with self._session("validate"):
                 return await self._validate(data, epoch=None)
         except BaseException as error:
@@ -480,8 +482,8 @@ class Trainer(Resumable):
             )
 
     async def _wait_for_checkpoint_session(self) -> None:
-        if self._session_kind == "checkpoint" and self._session_done is not None:
-            await self._session_done.wait()
+        while self._session_kind == "checkpoint" and self._session_done is not None:
+            await self._session_done.wait()  # then check again: another may have begun
 
     async def _build_replicas(self) -> None:
         source = self._source

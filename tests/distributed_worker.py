@@ -163,6 +163,35 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         result = await t.fit(batches(), epochs=2, valid_data=batches(5, 10))
         report["global_step"] = result.global_step
         report["params"] = [p.detach().clone() for p in t.model.parameters()]
+    elif scenario == "resume-on-rank-0-only":  # a mistake: the ranks' first calls differ
+        if rank == 0:
+            await trainer(1).save_checkpoint(out / "start.ckpt")
+        t = trainer(1)
+        try:
+            if rank == 0:
+                await t.fit(batches(), epochs=1, resume=out / "start.ckpt")
+            else:
+                await t.fit(batches(), epochs=1)
+            report["error"] = None
+        except asyncddp.AsyncDDPError as error:
+            report["error"] = str(error)
+    elif scenario == "checkpoint-while-joining":  # rank 0 saves one while its fit joins
+        t = trainer(1)
+        snapshot = t._snapshot
+
+        async def slow_snapshot() -> dict[str, Any]:  # the checkpoint outlasts the join
+            await asyncio.sleep(1.5)
+            return await snapshot()
+
+        t._snapshot = slow_snapshot  # type: ignore[method-assign]
+        if rank == 1:
+            await asyncio.sleep(1.0)  # late to the join
+        fit = asyncio.ensure_future(t.fit(batches(), epochs=1))
+        if rank == 0:
+            await asyncio.sleep(0.3)  # rank 0's fit is joining
+            await t.save_checkpoint(out / "during-join.ckpt")
+        result = await fit
+        report["global_step"] = result.global_step
     elif scenario == "distributed-sampler":  # the user's own DistributedSampler, shuffling
         from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 

@@ -185,6 +185,25 @@ def test_a_rank_cancelled_while_joining_leaves_the_others_in_step(tmp_path: Path
         assert torch.equal(a, b)
 
 
+def test_ranks_whose_first_calls_differ_are_told_so_at_once(tmp_path: Path) -> None:
+    # Rank 0 resumes, rank 1 does not: both raise "out of step" within seconds, instead of
+    # meeting different collectives and waiting for the process group's timeout.
+    reports, codes, seconds = launch("resume-on-rank-0-only", tmp_path, timeout=60)
+    assert codes == [0, 0]
+    for report in reports:
+        assert report is not None
+        assert "out of step" in report["error"]
+    assert seconds < 30
+
+
+def test_a_checkpoint_saved_while_the_fit_joins_does_not_break_it(tmp_path: Path) -> None:
+    reports, codes, _ = launch("checkpoint-while-joining", tmp_path, timeout=60)
+    assert codes == [0, 0]
+    for report in reports:
+        assert report is not None
+        assert report["global_step"] == 4
+
+
 def test_a_distributed_sampler_gets_a_new_order_each_epoch(tmp_path: Path) -> None:
     # A DataLoader with the user's own DistributedSampler is used as it is, and its set_epoch
     # is called before each epoch: each rank sees exactly the sampler's order for that epoch.
