@@ -26,6 +26,17 @@ import asyncddp.distributed
 FAIL_AT = 3  # the global step at which the failure scenarios fail
 
 
+async def outcome(fit: Any) -> Any:
+    """How an awaited fit ended: None, "cancelled", or the failed rank and error type."""
+    try:
+        await fit
+    except asyncio.CancelledError:
+        return "cancelled"
+    except asyncddp.WorkerFailedError as error:
+        return (error.rank, error.error_type)
+    return None
+
+
 def this_step() -> int:
     """The number of the step a step function runs in, as the scheduler numbered it."""
     ctx = asyncddp.current_worker()
@@ -141,13 +152,7 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         fit = asyncio.ensure_future(t.fit(batches(), epochs=1))
         if rank == 1:
             asyncio.get_running_loop().call_later(0.3, fit.cancel)
-        try:
-            await fit
-            report["first"] = None
-        except asyncio.CancelledError:
-            report["first"] = "cancelled"
-        except asyncddp.WorkerFailedError as error:
-            report["first"] = (error.rank, error.error_type)
+        report["first"] = await outcome(fit)
         result = await t.fit(batches(), epochs=1)
         report["global_step"] = result.global_step
         report["params"] = [p.detach().clone() for p in t.model.parameters()]
@@ -332,13 +337,7 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
 
         t = trainer(int(scenario[-1]), step=late)
         fit = asyncio.ensure_future(t.fit(batches(40, 8), epochs=1))
-        try:
-            await fit
-            report["first"] = None
-        except asyncio.CancelledError:
-            report["first"] = "cancelled"
-        except asyncddp.WorkerFailedError as error:
-            report["first"] = (error.rank, error.error_type)
+        report["first"] = await outcome(fit)
         report["first_step"] = t.global_step
         report["first_params"] = [p.detach().clone() for p in t.model.parameters()]
         result = await t.fit(batches(40, 8), epochs=1)
