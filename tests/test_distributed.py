@@ -539,3 +539,15 @@ def test_a_dataloader_subclass_keeps_what_its_iter_does() -> None:
     parts = [list(rank_view(loader, rank, 2, seed=0)) for rank in range(2)]
     assert _first_column(parts[0]) == [0, 20, 40, 60, 160, 180, 200, 220, 320, 340, 360, 380]
     assert _first_column(parts[1]) == [80, 100, 120, 140, 240, 260, 280, 300]
+
+
+def test_a_distributed_sampler_gets_its_epoch_in_a_one_process_group_too() -> None:
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from asyncddp._ranks import rank_view
+
+    dataset = TensorDataset(torch.zeros(8, 2))
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0)
+    loader = DataLoader(dataset, batch_size=2, sampler=sampler)
+    assert rank_view(loader, 0, 1, seed=0, epoch=3) is loader
+    assert sampler.epoch == 3
