@@ -26,7 +26,6 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import anyio
-import torch
 
 from . import _comm, distributed
 from ._comm import Comm, Global
@@ -152,23 +151,17 @@ class DistributedSteps(Steps):
         """In the first fit or validate session after joining (every rank is in it), once the
         replicas are built and a loaded state is in them: every rank takes rank 0's
         parameters and buffers, as DDP does when it wraps a model, so that ranks seeded or
-        loaded differently train one model. Sent into the first replica, copied into the
-        others; a cancellation meanwhile waits for it (every rank takes part)."""
+        loaded differently train one model. Sent into the first replica, loaded into the
+        others by the load job a resume uses (on each device's worker and stream); a
+        cancellation meanwhile waits for it (every rank takes part)."""
         comm = self._comm
         if comm is None or self._from_rank_0:
             return
         first = self._replicas[0].model
         tensors = [*first.parameters(), *first.buffers()]
         _, cancellation = await collective(comm.broadcast_from_rank_0, tensors)
-        with torch.no_grad():
-            for replica in self._replicas[1:]:
-                mine = [*replica.model.parameters(), *replica.model.buffers()]
-                for target, source in zip(mine, tensors, strict=True):
-                    target.copy_(source)
-                if replica.device.torch_device.type == "cuda":
-                    # Copied on the device's default stream: its worker's stream must not
-                    # read the parameters before the copies land.
-                    torch.cuda.synchronize(replica.device.torch_device)
+        if len(self._replicas) > 1:
+            await self._run_all(self._jobs().load, {"model": first.state_dict()}, phase="setup")
         self._from_rank_0 = True
         if cancellation is not None:
             raise cancellation
