@@ -88,9 +88,9 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     Shard sizes differ by one at most; when the batch has fewer items than ``parts``, the last
     shards are empty (0 items). The shards are views: nothing is copied.
     """
-    size = items_in(batch)
     if parts == 1:
-        return [batch]  # the one shard is the batch itself
+        return [batch]  # the one shard is the batch itself (its callers have checked it)
+    size = items_in(batch)
     # Item counts that differ by at most one, the larger first, as tensor_split makes them.
     counts = [size // parts + (1 if i < size % parts else 0) for i in range(parts)]
     starts = [sum(counts[:i]) for i in range(parts)]

@@ -149,7 +149,7 @@ class Steps:
         if not batches:  # a rank out of data, joining a step of the others
             return [None] * n
         if self.split_batches:
-            return split_batch(batches[0], n) if n > 1 else [batches[0]]  # checked when loaded
+            return split_batch(batches[0], n)
         return batches + [None] * (n - len(batches))
 
     # -- one step, with the failure policy ---------------------------------------------------
