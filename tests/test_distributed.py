@@ -115,6 +115,21 @@ def reference_params(
     return [p.detach().clone() for p in trainer.model.parameters()], result, metrics
 
 
+def both_reports(scenario: str, out: Path, **options: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run ``scenario`` on 2 ranks that must both exit cleanly; their reports."""
+    reports, codes, _ = launch(scenario, out, **options)
+    assert codes == [0, 0]
+    first, second = reports
+    assert first is not None
+    assert second is not None
+    return first, second
+
+
+def assert_equal_tensors(mine: list[torch.Tensor], others: list[torch.Tensor]) -> None:
+    for a, b in zip(mine, others, strict=True):
+        assert torch.equal(a, b)
+
+
 def assert_end_as_one_device(
     reports: list[dict[str, Any] | None], steps: int, **reference: Any
 ) -> None:
@@ -173,16 +188,11 @@ def test_every_rank_takes_rank_0s_model_whatever_it_did_before(
 
 
 def test_a_rank_cancelled_while_joining_leaves_the_others_in_step(tmp_path: Path) -> None:
-    reports, codes, _ = launch("cancel-in-join", tmp_path, timeout=90)
-    assert codes == [0, 0]
-    first, second = reports
-    assert first is not None
-    assert second is not None
+    first, second = both_reports("cancel-in-join", tmp_path, timeout=90)
     assert second["first"] == "cancelled"
     assert first["first"] is not None  # it heard of rank 1's cancellation
     assert first["global_step"] == second["global_step"] == 4  # both fit again, to the end
-    for a, b in zip(first["params"], second["params"], strict=True):
-        assert torch.equal(a, b)
+    assert_equal_tensors(first["params"], second["params"])
 
 
 def test_ranks_whose_first_calls_differ_are_told_so_at_once(tmp_path: Path) -> None:
@@ -252,18 +262,13 @@ def test_a_killed_rank_makes_the_others_fail_naming_it(tmp_path: Path) -> None:
 
 
 def test_stop_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
-    reports, codes, _ = launch("stop", tmp_path)
-    assert codes == [0, 0]
-    first, second = reports
-    assert first is not None
-    assert second is not None
+    first, second = both_reports("stop", tmp_path)
     assert first["stopped"]
     assert second["stopped"]
     assert second["reason"] == "rank 1 had enough"
     assert first["reason"] == "stop() was called on another rank"
     assert first["global_step"] == second["global_step"] < 20  # not the 3 epochs of 20 steps
-    for a, b in zip(first["params"], second["params"], strict=True):
-        assert torch.equal(a, b)
+    assert_equal_tensors(first["params"], second["params"])
 
 
 def test_rank_0_checkpoints_and_every_rank_resumes(tmp_path: Path) -> None:
@@ -286,11 +291,7 @@ def test_an_optimizer_step_that_fails_on_a_rank_is_undone_there(tmp_path: Path) 
     # Rank 1's optimizer raises once it has stepped: every rank raises naming rank 1, and rank
     # 1's parameters are those it had before that step (the undo copy); rank 0 took the step
     # and hears of the failure at the next exchange.
-    reports, codes, _ = launch("optimizer-raises", tmp_path)
-    assert codes == [0, 0]
-    first, second = reports
-    assert first is not None
-    assert second is not None
+    first, second = both_reports("optimizer-raises", tmp_path)
     assert second["error"] == (1, "optimizer", "RuntimeError")
     assert first["error"] is not None
     assert first["error"][0] == 1
@@ -302,19 +303,14 @@ def test_an_optimizer_step_that_fails_on_a_rank_is_undone_there(tmp_path: Path) 
 def test_checkpoints_saved_during_a_fit_hold_the_step_they_count(tmp_path: Path) -> None:
     # A checkpoint saved from another task while the ranks train must hold the parameters of
     # the step it counts, or a fit resumed from it would train a batch twice or not at all.
-    reports, codes, _ = launch("mid-fit-checkpoint", tmp_path)
-    assert codes == [0, 0]
-    first, second = reports
-    assert first is not None
-    assert second is not None
+    first, second = both_reports("mid-fit-checkpoint", tmp_path)
     assert len(first["checkpoints"]) == 15
     assert [same for _, same in first["checkpoints"]] == [True] * 15, first["checkpoints"]
     steps = [at for at, _ in first["checkpoints"]]
     assert steps == sorted(steps)
     assert all(at >= number + 1 for number, at in enumerate(steps))
     assert steps[0] < 10  # saved during the fit: it waited for the steps in flight, no longer
-    for report in reports:
-        assert report is not None
+    for report in (first, second):
         assert report["global_step"] == report["resumed_global_step"] == 20
         for a, b in zip(report["params"], report["resumed_params"], strict=True):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
@@ -339,11 +335,7 @@ def test_metrics_are_those_each_phase_reported(tmp_path: Path) -> None:
 def test_every_rank_takes_rank_0s_batchnorm_statistics(tmp_path: Path, devices: int) -> None:
     # As DDP's broadcast_buffers: each rank's forwards update its own statistics, on its own
     # data; without them following rank 0's, the ranks' models (and validations) would differ.
-    reports, codes, _ = launch(f"batchnorm{devices}", tmp_path)
-    assert codes == [0, 0]
-    first, second = reports
-    assert first is not None
-    assert second is not None
+    first, second = both_reports(f"batchnorm{devices}", tmp_path)
     assert first["state"].keys() == second["state"].keys()
     for name, value in first["state"].items():
         assert torch.equal(value, second["state"][name]), name
@@ -379,20 +371,14 @@ def test_a_rank_cancelled_in_an_exchange_keeps_the_step_the_others_took(
     # exchange is done every rank takes that step: rank 1 too, before the cancellation goes on
     # (else it would be a step behind for good), and the exchange is not left half way (else
     # rank 1's next collectives would meet rank 0's gradients). Both ranks then fit again.
-    reports, codes, _ = launch(f"cancel{devices}", tmp_path, timeout=60)
-    assert codes == [0, 0]
-    first, second = reports
-    assert first is not None
-    assert second is not None
+    first, second = both_reports(f"cancel{devices}", tmp_path, timeout=60)
     assert second["first"] == "cancelled"
     assert first["first"][0] == 1
     assert "CancelledError" in first["first"][1]
     assert first["first_step"] == second["first_step"] == worker.FAIL_AT + 1
-    for a, b in zip(first["first_params"], second["first_params"], strict=True):
-        assert torch.equal(a, b)
+    assert_equal_tensors(first["first_params"], second["first_params"])
     assert first["global_step"] == second["global_step"] == 20
-    for a, b in zip(first["params"], second["params"], strict=True):
-        assert torch.equal(a, b)
+    assert_equal_tensors(first["params"], second["params"])
 
 
 @pytest.mark.parametrize("call", ["fit", "validate"])
@@ -402,11 +388,7 @@ def test_a_rank_cancelled_in_the_last_exchange_of_a_call_tells_nobody(
     # Rank 1's fit (or validate) is cancelled while it waits for rank 0 in the call's last
     # exchange. Every rank has ended the call then: rank 1 must not wait a minute for someone
     # to hear of it, nor leave its announcement pending, to meet the ranks' next call.
-    reports, codes, _ = launch(f"cancel-at-end-{call}", tmp_path, timeout=40)
-    assert codes == [0, 0]
-    first, second = reports
-    assert first is not None
-    assert second is not None
+    first, second = both_reports(f"cancel-at-end-{call}", tmp_path, timeout=40)
     assert first["first"] is None
     assert second["first"] == "cancelled"
     assert second["seconds"] < 10
@@ -416,29 +398,19 @@ def test_a_rank_cancelled_in_the_last_exchange_of_a_call_tells_nobody(
 
 def test_validate_during_fit_is_refused_on_that_rank_alone(tmp_path: Path) -> None:
     # As on one machine: a ConfigurationError for the caller; the fit goes on on every rank.
-    reports, codes, _ = launch("validate-during-fit", tmp_path, timeout=60)
-    assert codes == [0, 0]
-    first, second = reports
-    assert first is not None
-    assert second is not None
+    first, second = both_reports("validate-during-fit", tmp_path, timeout=60)
     assert "already running" in second["refused"]
     assert first["global_step"] == second["global_step"] == 20
-    for a, b in zip(first["params"], second["params"], strict=True):
-        assert torch.equal(a, b)
+    assert_equal_tensors(first["params"], second["params"])
 
 
 def test_step_timeout_does_not_count_the_wait_for_a_slower_rank(tmp_path: Path) -> None:
     # Rank 0 loads a batch 8 s late; rank 1 (step_timeout=5) waits for it in the exchange. Its
     # device is not slow: no WorkerTimeoutError (whose announcement, while the timed-out job
     # still sat in the exchange, would also have met the others' collectives out of order).
-    reports, codes, _ = launch("late-peer", tmp_path, timeout=60)
-    assert codes == [0, 0]
-    first, second = reports
-    assert first is not None
-    assert second is not None
+    first, second = both_reports("late-peer", tmp_path, timeout=60)
     assert first["global_step"] == second["global_step"] == 20
-    for a, b in zip(first["params"], second["params"], strict=True):
-        assert torch.equal(a, b)
+    assert_equal_tensors(first["params"], second["params"])
 
 
 def test_a_mid_epoch_state_continues_only_on_as_many_processes(tmp_path: Path) -> None:
