@@ -256,8 +256,9 @@ class Jobs:
                     buffer.copy_(saved)
         replica.used = [False] * len(replica.params)
 
-    def regroup(self, ctx: WorkerContext, parts: int) -> None:
-        self.replicas[ctx.device.index].regroup(parts, ctx.device.index)
+    def regroup(self, ctx: WorkerContext, work: tuple[int, bool]) -> None:
+        parts, loose = work
+        self.replicas[ctx.device.index].regroup(parts, ctx.device.index, loose=loose)
 
     def snapshot(self, ctx: WorkerContext, wanted: bool) -> dict[str, Any] | None:
         """The first replica's state on the CPU (copied, so training may go on)."""

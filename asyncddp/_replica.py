@@ -48,7 +48,7 @@ class Replica:
         self.scheduler = scheduler
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = list(model.buffers())
-        self.grads = FlatGrads(self.params, 1, 0)
+        self.grads = FlatGrads(self.params, 1, 0, loose=True)  # until regroup() says
         self.backup = StepBackup()
         #: The optimizer step (by apply id) this replica took and may have to undo.
         self.stepped_at: int | None = None
@@ -64,9 +64,10 @@ class Replica:
     def _mark_used(self, index: int, param: torch.Tensor) -> None:
         self.used[index] = True
 
-    def regroup(self, parts: int, index: int) -> None:
-        """Re-cut the gradient buffers for ``parts`` replicas, this one at ``index``."""
-        self.grads = FlatGrads(self.params, parts, index)
+    def regroup(self, parts: int, index: int, *, loose: bool = False) -> None:
+        """Re-cut the gradient buffers for ``parts`` replicas, this one at ``index`` (or none,
+        ``loose``, for a lone replica in one process: see :class:`FlatGrads`)."""
+        self.grads = FlatGrads(self.params, parts, index, loose=loose)
 
     def open_window(self) -> None:
         """Before a step's first forward: zero the gradients (the last step left them), keep

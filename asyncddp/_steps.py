@@ -100,6 +100,10 @@ class Steps:
     def _distributed(self) -> bool:
         return False
 
+    def _lone(self) -> bool:
+        """One device in one process: its gradients need no buffers (see ``FlatGrads``)."""
+        return len(self.devices) == 1 and not self._distributed()
+
     def _apply_work(self, coefficient: float = 1.0, unused: tuple[int, ...] = ()) -> ApplyWork:
         """The next optimizer step's work, under a new apply id."""
         self._apply_id += 1
@@ -392,8 +396,6 @@ class Steps:
             # A hung device's thread is left behind on purpose: that is why it is dropped.
             warnings.simplefilter("ignore", RuntimeWarning)
             await old.aclose()
-        await self._scheduler_run(
-            self._jobs().regroup, [len(self.devices)] * len(self.devices), phase="setup"
-        )
+        await self._run_all(self._jobs().regroup, (len(self.devices), self._lone()), phase="setup")
         for name in sorted(failed):
             self._hub.publish(DeviceDropped(name, tuple(d.name for d in self.devices)))

@@ -4,6 +4,11 @@ Every replica keeps its gradients in flat buffers (one per dtype), each paramete
 a view into it, so autograd accumulates straight into the buckets and reducing them is a few
 large operations rather than one per parameter (as DDP's ``gradient_as_bucket_view``).
 
+A lone replica (one device, one process: nothing to reduce) keeps no buffers: its gradients
+are set to ``None`` when a step opens, as ``optimizer.zero_grad()`` does, so that autograd
+hands over the gradients it computed instead of adding them into zeroed buffers (measured on
+the benchmarks' MLP: 0.25-0.45 ms a step, 6-12%: the zeroing and the extra pass of the addition).
+
 The in-process all-reduce runs on the devices' own workers, in two steps, so that every device
 works on it at once:
 
@@ -65,18 +70,25 @@ class FlatGrads:
         params: The replica's trainable parameters, in a fixed order shared by all replicas.
         parts: How many replicas reduce together (the number of chunks per buffer).
         index: This replica's position, which chunk it owns.
+        loose: A lone replica that nothing reads from (``parts`` must be 1): no buffers, each
+            ``.grad`` a tensor of its own, ``None`` after :meth:`zero_`, as in a plain loop.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], parts: int, index: int) -> None:
+    def __init__(
+        self, params: Sequence[nn.Parameter], parts: int, index: int, *, loose: bool = False
+    ) -> None:
+        if loose and parts != 1:
+            raise ValueError(f"only a lone replica keeps loose gradients, not one of {parts}")
         self.params = list(params)
         self.parts = parts
         self.index = index
+        self.loose = loose
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for param in self.params:
             by_dtype.setdefault(param.dtype, []).append(param)
         self.buffers: list[torch.Tensor] = []
         self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
-        for dtype, group in by_dtype.items():
+        for dtype, group in by_dtype.items() if not loose else ():
             buffer = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=group[0].device)
             offset = 0
             for param in group:
@@ -98,8 +110,15 @@ class FlatGrads:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """What holds the gradients: the buffers, or a loose replica's ``.grad`` tensors."""
+        if not self.loose:
+            return self.buffers
+        return [param.grad for param in self.params if param.grad is not None]
+
     def attach(self) -> None:
-        """Make every ``.grad`` a view into the buffers again (keeping its values)."""
+        """Make every ``.grad`` a view into the buffers again (keeping its values); nothing
+        to do for a loose replica."""
         for param, view in self._views:
             grad = param.grad
             if grad is view:
@@ -109,6 +128,10 @@ class FlatGrads:
             param.grad = view
 
     def zero_(self) -> None:
+        """Zero the gradients (a loose replica's become ``None``)."""
+        if self.loose:
+            for param in self.params:
+                param.grad = None
         for buffer in self.buffers:
             buffer.zero_()
 
@@ -131,31 +154,28 @@ def reduce_scatter(
     already be stepping its optimizer: optimizers may write ``.grad`` in place (SGD with
     Nesterov momentum does, with ``foreach``), so peers must never read another replica's live
     ``.grad`` in that step (summing in place into the owner's chunk was tried and raced). A
-    single replica has no peers, and scales its own buffers in place.
+    single replica has no peers, and scales its own gradients in place.
 
     Returns the squared norm of the reduced chunk (0.0 unless ``want_norm``) and whether it is
     all finite (True unless ``want_finite``): each is one more pass over the chunk, so only
     what clipping or loss scaling needs is computed.
     """
     own = replicas[index]
+    if len(replicas) == 1:
+        return _scale_in_place(own.tensors(), scale, want_norm=want_norm, want_finite=want_finite)
     norm_sq = 0.0
     finite = True
     for b, scratch in enumerate(own.scratch):
-        if len(replicas) == 1:
-            scratch = own.buffers[b]
-            if scale != 1.0:
-                scratch.mul_(scale)
-        else:
-            device = scratch.device
-            torch.add(
-                replicas[0].chunk(b, index).to(device, non_blocking=True),
-                replicas[1].chunk(b, index).to(device, non_blocking=True),
-                out=scratch,
-            )
-            for other in replicas[2:]:
-                scratch.add_(other.chunk(b, index).to(device, non_blocking=True))
-            if scale != 1.0:
-                scratch.mul_(scale)
+        device = scratch.device
+        torch.add(
+            replicas[0].chunk(b, index).to(device, non_blocking=True),
+            replicas[1].chunk(b, index).to(device, non_blocking=True),
+            out=scratch,
+        )
+        for other in replicas[2:]:
+            scratch.add_(other.chunk(b, index).to(device, non_blocking=True))
+        if scale != 1.0:
+            scratch.mul_(scale)
         if want_norm:
             norm_sq += float(torch.linalg.vector_norm(scratch, dtype=torch.float32) ** 2)
         elif want_finite:
@@ -165,13 +185,32 @@ def reduce_scatter(
     return norm_sq, finite
 
 
+def _scale_in_place(
+    tensors: list[torch.Tensor], scale: float, *, want_norm: bool, want_finite: bool
+) -> tuple[float, bool]:
+    """A lone replica's reduce-scatter: scale its gradients in place (a loose replica's are
+    one tensor a parameter: one fused operation over them all, not one call each)."""
+    if not tensors:
+        return 0.0, True
+    if scale != 1.0:
+        torch._foreach_mul_(tensors, scale)
+    if want_norm:
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        norm_sq = float(torch.linalg.vector_norm(torch.stack(norms)) ** 2)
+        return norm_sq, math.isfinite(norm_sq)  # an inf or NaN anywhere makes the norm one
+    if want_finite:  # the largest magnitude of each: finite if they all are (one sync)
+        largest = torch._foreach_norm(tensors, math.inf)
+        return 0.0, bool(torch.isfinite(torch.stack(largest)).all())
+    return 0.0, True
+
+
 def all_gather(replicas: Sequence[FlatGrads], index: int, coefficient: float) -> None:
     """Step 2 on worker ``index``: fill its buffers from every owner's scratch, scaled."""
     own = replicas[index]
     if len(replicas) == 1:
-        if coefficient != 1.0:
-            for buffer in own.buffers:
-                buffer.mul_(coefficient)
+        tensors = own.tensors()
+        if coefficient != 1.0 and tensors:
+            torch._foreach_mul_(tensors, coefficient)
         return
     for b in range(len(own.buffers)):
         for owner, replica in enumerate(replicas):

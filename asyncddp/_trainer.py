@@ -7,6 +7,8 @@ How one optimizer step runs (``accumulate_grad_batches`` batches, one by default
     split along dim 0, one shard per device
     run(train)   ─────────────────────────────────────► forward, backward(loss * weight)
                                                         grads accumulate in flat buckets
+                                                        (one device alone: in .grad, as a
+                                                        plain loop; nothing to reduce)
     run(reduce)  ─────────────────────────────────────► reduce-scatter: each device sums its
       global norm for clipping, finite check for fp16   chunk of every replica's buckets
     run(apply)   ─────────────────────────────────────► all-gather, clip, optimizer step
@@ -455,6 +457,9 @@ class Trainer(Resumable):
             async with self._step_lock:  # a checkpoint waits until the replicas are ready
                 if not self._replicas:
                     await self._build_replicas()
+                elif self._replicas[0].grads.loose != self._lone():  # joined a process group
+                    work = (len(self.devices), self._lone())
+                    await self._run_all(self._jobs().regroup, work, phase="setup")
                 if self._pending_state is not None:
                     state, self._pending_state = self._pending_state, None
                     await self._scheduler_run(
@@ -489,6 +494,7 @@ class Trainer(Resumable):
         source = self._source
         first_param = next(source.parameters())
         parts = len(self.devices)
+        lone = self._lone()
 
         def build(ctx: Any, index: int) -> Replica:
             device = self.devices[index]
@@ -500,7 +506,7 @@ class Trainer(Resumable):
                 optimizer=self._optimizer_factory,
                 scheduler=self._scheduler_factory,
             )
-            replica.regroup(parts, index)
+            replica.regroup(parts, index, loose=lone)
             return replica
 
         try:

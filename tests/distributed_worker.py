@@ -111,9 +111,10 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         report["validate"] = await t.validate(batches(5, 10))
     elif scenario.startswith("unseeded"):  # each rank's model starts from other weights
         # "unseeded-built": 2 devices per rank, their replicas built (by a checkpoint) before
-        # the trainer joins the group.
-        built = scenario == "unseeded-built"
-        t = trainer(2 if built else 1, seed=100 + rank)
+        # the trainer joins the group; "unseeded-built-1": the same with 1 device per rank,
+        # whose replica was built for one process (no gradient buffers to exchange).
+        built = scenario.startswith("unseeded-built")
+        t = trainer(2 if scenario == "unseeded-built" else 1, seed=100 + rank)
         if built:
             await t.save_checkpoint(out / f"before-{rank}.ckpt")
         result = await t.fit(batches(), epochs=2, valid_data=batches(5, 10))

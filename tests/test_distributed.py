@@ -163,11 +163,11 @@ def test_two_ranks_end_with_the_parameters_of_one_device(tmp_path: Path, devices
         assert report["validate"] == pytest.approx(metrics, abs=1e-6)
 
 
-@pytest.mark.parametrize("scenario", ["unseeded", "unseeded-built"])
+@pytest.mark.parametrize("scenario", ["unseeded", "unseeded-built", "unseeded-built-1"])
 def test_every_rank_starts_from_rank_0s_parameters(tmp_path: Path, scenario: str) -> None:
     # Each rank seeds its model differently: training starts from rank 0's weights on every
     # rank (as DDP broadcasts them), so all end as one device would from rank 0's model; also
-    # when the replicas of 2 devices per rank were built before the trainer joined the group.
+    # when the replicas (of 2 devices, or of 1) were built before the trainer joined the group.
     reports, codes, _ = launch(scenario, tmp_path)
     assert codes == [0, 0]
     assert_end_as_one_device(reports, 8, seed=100)

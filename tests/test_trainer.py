@@ -297,6 +297,41 @@ async def test_mixed_precision_trains(precision: str) -> None:
     assert_replicas_identical(trainer)
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_fp16_skips_a_step_whose_gradients_overflow_as_grad_scaler_does(
+    devices: int,
+) -> None:
+    # At step 2 every device's gradients come back infinite (the loss stays finite): that step
+    # changes no parameter, and the next ones train on.
+    seen: dict[int, list[torch.Tensor]] = {}
+
+    def overflowing(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        worker = asyncddp.current_worker()
+        assert worker is not None
+        if worker.device.index == 0:
+            seen[worker.step] = [p.detach().clone() for p in model.parameters()]
+        inputs, targets = batch
+        logits = model(inputs)
+        if worker.step == 2:
+            logits.register_hook(lambda grad: grad * float("inf"))
+        return F.cross_entropy(logits.float(), targets)
+
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        overflowing,
+        devices=cpu_devices(devices),
+        precision="fp16",
+        progress_bar=False,
+    )
+    await trainer.fit(make_batches([8] * 5), epochs=1)
+    assert all(torch.equal(a, b) for a, b in zip(seen[2], seen[3], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(seen[3], seen[4], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(seen[1], seen[2], strict=True))
+    assert all(p.isfinite().all() for p in trainer.model.parameters())
+    assert_replicas_identical(trainer)
+
+
 async def test_validate_averages_exactly_over_items() -> None:
     batches = make_batches([5, 3, 1])
     model = make_model()
