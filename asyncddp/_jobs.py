@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from ._comm import Comm, Global
 from ._data import move_to
 from ._replica import Replica, StepFunction, loss_and_metrics
 from ._sync import all_gather, clip_coefficient, reduce_scatter
-from ._worker import WorkerContext
+from ._worker import WorkerContext, after_job
 
 __all__ = [
     "ApplyWork",
@@ -184,6 +185,10 @@ class Jobs:
         # The gradients stay until the next step's first forward zeroes them: others may still
         # be reading this replica's reduced chunk (in-place all-gather) until this step ends.
         replica.grads.attach()
+        if work.atomic and replica.device.type == "cpu":
+            # The next step's backup, copied while the event loop handles this step's results
+            # (on a GPU the copy is the device's work, queued on the stream: nothing to gain).
+            after_job(functools.partial(replica.backup.prepare, replica.params, replica.optimizer))
         if index:
             # Buffers (BatchNorm statistics) follow the first replica, as DDP's
             # broadcast_buffers: the first replica's buffers are not written in this step.
@@ -286,6 +291,7 @@ def load_into(replica: Replica, state: Mapping[str, Any]) -> None:
         replica.scheduler.load_state_dict(state["lr_scheduler"])
     replica.grads.attach()
     replica.grads.zero_()
+    replica.backup.forget_ahead()
 
 
 def to_cpu(value: Any) -> Any:

@@ -223,9 +223,86 @@ def all_gather(replicas: Sequence[FlatGrads], index: int, coefficient: float) ->
 
 
 @dataclass
-class _Saved:
+class _Copy:
+    """Copies of parameters and optimizer state tensors, and what they were copied from."""
+
     params: list[torch.Tensor]
-    state: list[dict[str, Any] | None]
+    state: list[dict[str, Any] | None]  # per parameter; tensors copied, other values as they were
+    # Each copied tensor and its version counter when copied: a copy made ahead of a step is
+    # still good if every one is the same tensor, unchanged.
+    sources: list[tuple[torch.Tensor, int]]
+
+    def still_current(
+        self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
+    ) -> bool:
+        if len(self.params) != len(params):
+            return False
+        live: list[torch.Tensor] = list(params)
+        for param, state in zip(params, self.state, strict=True):
+            now = optimizer.state.get(param)
+            if not now:
+                if state is not None:
+                    return False
+                continue
+            if state is None or now.keys() != state.keys():
+                return False
+            live.extend(v for v in now.values() if isinstance(v, torch.Tensor))
+        return len(live) == len(self.sources) and all(
+            tensor is source and tensor._version == version
+            for tensor, (source, version) in zip(live, self.sources, strict=True)
+        )
+
+    def refresh(self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+        """Take the state's non-tensor values (a step count, say) as they are now."""
+        for param, state in zip(params, self.state, strict=True):
+            if state is not None:
+                for key, value in optimizer.state[param].items():
+                    if not isinstance(value, torch.Tensor):
+                        state[key] = value
+
+
+def _copy_tensors(
+    params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, reuse: _Copy | None
+) -> _Copy:
+    """Copy ``params`` and the optimizer's state for them, into ``reuse``'s buffers where they
+    fit (so that after the first step a copy allocates nothing)."""
+    if reuse is None or len(reuse.params) != len(params):
+        saved_params = [p.detach().clone() for p in params]
+    else:
+        saved_params = reuse.params
+        torch._foreach_copy_(saved_params, [p.detach() for p in params])
+    sources = [(p, p._version) for p in params]
+    states: list[dict[str, Any] | None] = []
+    for i, param in enumerate(params):
+        state = optimizer.state.get(param)
+        if not state:
+            states.append(None)
+            continue
+        previous = reuse.state[i] if reuse is not None and i < len(reuse.state) else None
+        copy: dict[str, Any] = {}
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                buffer = previous.get(key) if previous else None
+                if (
+                    isinstance(buffer, torch.Tensor)
+                    and buffer.shape == value.shape
+                    and buffer.dtype == value.dtype
+                    and buffer.device == value.device
+                ):
+                    buffer.copy_(value)
+                    copy[key] = buffer
+                else:
+                    copy[key] = value.detach().clone()
+                sources.append((value, value._version))
+            else:
+                copy[key] = value
+        states.append(copy)
+    return _Copy(saved_params, states, sources)
+
+
+@dataclass
+class _Saved:
+    tensors: _Copy
     groups: list[dict[str, Any]]
     scheduler: dict[str, Any] | None
 
@@ -234,10 +311,35 @@ class StepBackup:
     """A copy of parameters and optimizer state taken before a step, to undo a failed one.
 
     Buffers are kept between steps, so after the first step a backup allocates nothing.
+
+    :meth:`prepare` copies the tensors ahead, once the previous step has reported (on a CPU
+    device, where the copy takes the worker's own time, while the event loop handles that
+    step's results); :meth:`capture` then keeps that copy if every tensor is still the one it
+    was copied from, unchanged (by its version counter), and copies afresh otherwise. A copy
+    made ahead goes into buffers of its own, as the last capture may still have to be restored
+    (a cancellation that comes as the step ends undoes it): with it, a backup holds two
+    copies. Changes made through ``.data`` leave no version behind; a copy made ahead is
+    dropped when a fit, validate or checkpoint call starts (:meth:`forget_ahead`).
     """
 
     def __init__(self) -> None:
-        self._saved: _Saved | None = None
+        self._saved: _Saved | None = None  # what restore() goes back to
+        self._ahead: _Copy | None = None  # made by prepare(), for the next capture()
+        self._spare: _Copy | None = None  # buffers for the next prepare()
+
+    def prepare(self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+        """Copy the tensors now, for the next :meth:`capture`. Never raises: without the copy,
+        the capture copies."""
+        reuse, self._ahead, self._spare = self._ahead or self._spare, None, None
+        try:
+            self._ahead = _copy_tensors(params, optimizer, reuse)
+        except Exception:
+            self._spare = reuse
+
+    def forget_ahead(self) -> None:
+        """Drop a copy made ahead (the tensors may change in ways it cannot tell)."""
+        if self._ahead is not None:
+            self._spare, self._ahead = self._ahead, None
 
     def capture(
         self,
@@ -245,41 +347,19 @@ class StepBackup:
         optimizer: torch.optim.Optimizer,
         scheduler: Any | None,
     ) -> None:
-        old = self._saved
-        if old is None or len(old.params) != len(params):
-            saved_params = [p.detach().clone() for p in params]
+        ahead, self._ahead = self._ahead, None
+        old = self._saved.tensors if self._saved is not None else None
+        if ahead is not None and ahead.still_current(params, optimizer):
+            ahead.refresh(params, optimizer)
+            tensors, self._spare = ahead, old
         else:
-            saved_params = old.params
-            torch._foreach_copy_(saved_params, [p.detach() for p in params])
-        states: list[dict[str, Any] | None] = []
-        for i, param in enumerate(params):
-            state = optimizer.state.get(param)
-            if not state:
-                states.append(None)
-                continue
-            previous = old.state[i] if old is not None and i < len(old.state) else None
-            copy: dict[str, Any] = {}
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    buffer = previous.get(key) if previous else None
-                    if (
-                        isinstance(buffer, torch.Tensor)
-                        and buffer.shape == value.shape
-                        and buffer.dtype == value.dtype
-                        and buffer.device == value.device
-                    ):
-                        buffer.copy_(value)
-                        copy[key] = buffer
-                    else:
-                        copy[key] = value.detach().clone()
-                else:
-                    copy[key] = value
-            states.append(copy)
+            tensors = _copy_tensors(params, optimizer, old)
+            self._spare = ahead or self._spare
         groups = [
             {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
         ]
         self._saved = _Saved(
-            saved_params, states, groups, scheduler.state_dict() if scheduler is not None else None
+            tensors, groups, scheduler.state_dict() if scheduler is not None else None
         )
 
     def restore(
@@ -291,9 +371,10 @@ class StepBackup:
         saved = self._saved
         if saved is None:
             return
+        self.forget_ahead()
         with torch.no_grad():
-            torch._foreach_copy_([p.detach() for p in params], saved.params)
-        for param, state in zip(params, saved.state, strict=True):
+            torch._foreach_copy_([p.detach() for p in params], saved.tensors.params)
+        for param, state in zip(params, saved.tensors.state, strict=True):
             if state is None:
                 optimizer.state.pop(param, None)
                 continue

@@ -122,8 +122,10 @@ class Trainer(Resumable):
         max_retries: Retries per step with ``on_failure="retry"``.
         atomic_steps: Copy parameters and optimizer state before each optimizer step, so that
             a step that fails on any device is undone on every device. Costs one copy of both per
-            device; turn off to save memory (a failure in the optimizer step then leaves the
-            replicas unusable until ``load_state_dict``).
+            device, two on a CPU device (there the next step's copy is made ahead, while the
+            event loop handles a step's results, so the step does not wait for it); turn off to
+            save memory (a failure in the optimizer step then leaves the replicas unusable until
+            ``load_state_dict``).
         checkpoint_dir: Where ``fit`` writes a checkpoint after every epoch; ``None`` for none.
         progress_bar: Show a progress bar (tqdm's, which also renders in notebooks); by default
             when the output is a terminal or a notebook.
@@ -460,6 +462,8 @@ class Trainer(Resumable):
                 elif self._replicas[0].grads.loose != self._lone():  # joined a process group
                     work = (len(self.devices), self._lone())
                     await self._run_all(self._jobs().regroup, work, phase="setup")
+                for replica in self._replicas:  # changed through .data since? (no worker runs)
+                    replica.backup.forget_ahead()
                 if self._pending_state is not None:
                     state, self._pending_state = self._pending_state, None
                     await self._scheduler_run(

@@ -26,7 +26,7 @@ import torch
 
 from ._devices import Device
 
-__all__ = ["CallerState", "DeviceWorker", "WorkerContext", "current_worker"]
+__all__ = ["CallerState", "DeviceWorker", "WorkerContext", "after_job", "current_worker"]
 
 _log = logging.getLogger("asyncddp")
 
@@ -67,6 +67,19 @@ def current_worker() -> WorkerContext | None:
     """
     ctx: WorkerContext | None = getattr(_running, "ctx", None)
     return ctx
+
+
+def after_job(fn: Callable[[], None]) -> None:
+    """Run ``fn`` on this worker once the running job has reported its result (and woken
+    whoever waits for it), before the worker takes its next job: for work that nobody waits
+    for, done while the event loop handles the result. Call only from a job; ``fn`` must not
+    raise (an error is logged, as a bug). Outside a worker, ``fn`` runs at once.
+    """
+    after: list[Callable[[], None]] | None = getattr(_running, "after", None)
+    if after is None:
+        fn()
+    else:
+        after.append(fn)
 
 
 class CallerState(NamedTuple):
@@ -178,6 +191,8 @@ class DeviceWorker:
             except BaseException as exc:  # reported by every job, so that no step waits forever
                 self._setup_error = exc
         get = self._queue.get
+        after: list[Callable[[], None]] = []
+        _running.after = after
         while True:
             job = get()
             if job is None:
@@ -190,7 +205,13 @@ class DeviceWorker:
             # Drop the job before blocking on the queue, so that nothing it held stays alive.
             del job
             if notify is not None:
-                # Last, right before this thread waits again and so lets go of the GIL: the
-                # thread it wakes needs the GIL at once, and would otherwise wake only to wait.
+                # Right before this thread waits again (or does the work the job left for
+                # after it, in torch ops that let go of the GIL): the thread it wakes needs
+                # the GIL at once, and would otherwise wake only to wait.
                 notify()
                 del notify
+            while after:
+                try:
+                    after.pop(0)()
+                except BaseException:  # after_job's functions must not raise
+                    _log.exception("asyncddp worker for %s: work after a job failed", self.device)

@@ -951,6 +951,37 @@ async def test_a_failure_before_the_backup_is_taken_does_not_roll_that_replica_b
     assert_close(trainer.model, expected)
 
 
+class FailAfterUpdateWhenArmed(torch.optim.SGD):
+    armed = False
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        result = super().step(closure)
+        if FailAfterUpdateWhenArmed.armed:
+            FailAfterUpdateWhenArmed.armed = False
+            raise RuntimeError("failed after the update")
+        return result
+
+
+async def test_a_change_through_data_between_fits_is_what_a_failed_step_goes_back_to() -> None:
+    # The backup of a CPU step is copied ahead, once the step before it has reported; a change
+    # made through .data (no version counter moves) between two fits must not be lost when the
+    # next fit's first step fails and is retried.
+    batches = make_batches([6, 6, 6])
+    optimizer = functools.partial(FailAfterUpdateWhenArmed, lr=0.1, momentum=0.9)
+    trainers = [
+        Trainer(make_model(), optimizer, loss_step, on_failure="retry", progress_bar=False)
+        for _ in range(2)
+    ]
+    for index, trainer in enumerate(trainers):
+        await trainer.fit(batches, epochs=1)
+        for param in trainer.model.parameters():
+            param.data.mul_(0.5)
+        FailAfterUpdateWhenArmed.armed = index == 1  # the second trainer's next step fails once
+        await trainer.fit(batches, epochs=2)
+        assert not FailAfterUpdateWhenArmed.armed
+    assert_close(trainers[1].model, trainers[0].model)
+
+
 class FailBeforeUpdate(torch.optim.SGD):
     fired = False
 

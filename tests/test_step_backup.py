@@ -1,0 +1,132 @@
+"""StepBackup: the copy that undoes a failed optimizer step, and the copy made ahead of it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from asyncddp import _sync
+from asyncddp._sync import StepBackup
+
+
+def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, optimizer
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad()
+    model(torch.randn(5, 4)).square().sum().backward()
+    optimizer.step()
+
+
+def state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    params = list(model.parameters())
+    momentum = [optimizer.state[p]["momentum_buffer"] for p in params]
+    return [t.detach().clone() for t in params + momentum]
+
+
+def assert_state(model: nn.Module, optimizer: torch.optim.Optimizer, expected: Any) -> None:
+    for got, want in zip(state(model, optimizer), expected, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.fixture
+def copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the copies a backup makes."""
+    made: list[int] = []
+    original = _sync._copy_tensors
+
+    def counting(*args: Any) -> Any:
+        made.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(_sync, "_copy_tensors", counting)
+    return made
+
+
+def test_a_copy_made_ahead_is_the_backup_while_nothing_changed(copies: list[int]) -> None:
+    model, optimizer = model_and_optimizer()
+    params = list(model.parameters())
+    backup = StepBackup()
+    train_step(model, optimizer)
+    backup.prepare(params, optimizer)
+    before = state(model, optimizer)
+    backup.capture(params, optimizer, None)
+    assert len(copies) == 1  # the capture kept the copy made ahead
+    train_step(model, optimizer)
+    backup.restore(params, optimizer, None)
+    assert_state(model, optimizer, before)
+
+
+def test_a_copy_made_ahead_of_a_change_is_not_the_backup(copies: list[int]) -> None:
+    model, optimizer = model_and_optimizer()
+    params = list(model.parameters())
+    backup = StepBackup()
+    train_step(model, optimizer)
+    backup.prepare(params, optimizer)
+    with torch.no_grad():
+        params[0].add_(1.0)  # after the copy: its version counter moves
+    before = state(model, optimizer)
+    backup.capture(params, optimizer, None)
+    assert len(copies) == 2  # copied again
+    train_step(model, optimizer)
+    backup.restore(params, optimizer, None)
+    assert_state(model, optimizer, before)
+
+
+def test_optimizer_state_loaded_after_the_copy_ahead_is_copied_again(copies: list[int]) -> None:
+    model, optimizer = model_and_optimizer()
+    params = list(model.parameters())
+    other_model, other = model_and_optimizer()
+    train_step(other_model, other)
+    train_step(other_model, other)
+    backup = StepBackup()
+    train_step(model, optimizer)
+    backup.prepare(params, optimizer)
+    optimizer.load_state_dict(other.state_dict())  # new momentum tensors, same parameters
+    before = state(model, optimizer)
+    backup.capture(params, optimizer, None)
+    assert len(copies) == 2
+    train_step(model, optimizer)
+    backup.restore(params, optimizer, None)
+    assert_state(model, optimizer, before)
+
+
+def test_the_last_backup_still_restores_once_the_next_is_copied_ahead() -> None:
+    # A step undone after it ended (a cancellation that came as it reported) goes back to the
+    # state before it, though the copy for the next step was made meanwhile.
+    model, optimizer = model_and_optimizer()
+    params = list(model.parameters())
+    backup = StepBackup()
+    for _ in range(3):  # so that both sets of buffers have been used
+        train_step(model, optimizer)
+        backup.prepare(params, optimizer)
+        before = state(model, optimizer)
+        backup.capture(params, optimizer, None)
+        train_step(model, optimizer)
+        backup.prepare(params, optimizer)
+        backup.restore(params, optimizer, None)
+        assert_state(model, optimizer, before)
+
+
+def test_a_copy_made_ahead_is_forgotten_when_asked(copies: list[int]) -> None:
+    # A change through .data leaves no version behind: a call that starts forgets the copy.
+    model, optimizer = model_and_optimizer()
+    params = list(model.parameters())
+    backup = StepBackup()
+    train_step(model, optimizer)
+    backup.prepare(params, optimizer)
+    params[0].data.mul_(2.0)
+    backup.forget_ahead()
+    before = state(model, optimizer)
+    backup.capture(params, optimizer, None)
+    assert len(copies) == 2
+    train_step(model, optimizer)
+    backup.restore(params, optimizer, None)
+    assert_state(model, optimizer, before)
