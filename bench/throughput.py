@@ -7,6 +7,9 @@ Every contender trains the same model on the same global batch (256) with SGD, u
 number of CPU threads in all (``torch.get_num_threads()``, all cores by default):
 
 - plain:      a single-process PyTorch loop (zero_grad, forward, backward, step);
+- handoff-1:  the same loop's steps, each handed from an event loop to one persistent worker
+              thread and awaited (a queue and a future, nothing else): the floor of any design
+              that keeps the event loop free by training on a thread of its own;
 - asyncddp-1: ``Trainer`` on one device (its worker gets every thread): the overhead target;
 - asyncddp-N: ``Trainer`` on ``cpu_devices(N)``, the threads shared among the workers;
 - ddp-gloo-2: ``DistributedDataParallel`` over gloo, 2 processes on localhost, half the batch
@@ -27,10 +30,12 @@ import asyncio
 import functools
 import multiprocessing
 import os
+import queue
 import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -99,6 +104,60 @@ def plain(make: Callable[[], nn.Module], batches: list[Any]) -> float:
     return len(batches) * BATCH / (time.perf_counter() - start)
 
 
+class HandOff:
+    """One persistent worker thread that runs what the event loop hands it, one at a time:
+    ``await worker.run(fn)``. The least any design pays that keeps the event loop free while
+    a step runs (asyncddp pays it too): a queue put, a thread wake-up, a loop wake-up."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name="handoff-worker", daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, future, loop = job
+            try:
+                loop.call_soon_threadsafe(_settle, future, fn(), None)
+            except BaseException as error:
+                loop.call_soon_threadsafe(_settle, future, None, error)
+
+    async def run(self, fn: Callable[[], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._jobs.put((fn, future, loop))
+        return await future
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+
+def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+    if not future.cancelled():
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
+
+
+async def handed_off(make: Callable[[], nn.Module], batches: list[Any]) -> float:
+    """The plain loop's steps on a worker thread, awaited on the event loop one by one."""
+    torch.manual_seed(0)
+    model = make()
+    optimizer = SGD(model.parameters())
+    worker = HandOff()
+    try:
+        for batch in batches[:3]:  # warm-up
+            await worker.run(functools.partial(train, model, optimizer, [batch]))
+        start = time.perf_counter()
+        for batch in batches:
+            await worker.run(functools.partial(train, model, optimizer, [batch]))
+        return len(batches) * BATCH / (time.perf_counter() - start)
+    finally:
+        worker.close()
+
+
 async def with_asyncddp(
     make: Callable[[], nn.Module], batches: list[Any], devices: asyncddp.DeviceSpec
 ) -> float:
@@ -119,6 +178,7 @@ def _ddp_rank(
     shape: tuple[int, ...],
     workload: str,
     steps: int,
+    handoff: bool,
     results: Any,
 ) -> None:
     import torch.distributed as dist
@@ -134,7 +194,10 @@ def _ddp_rank(
         train(model, optimizer, batches[:3])  # warm-up
         dist.barrier()
         start, cpu = time.perf_counter(), time.process_time()
-        train(model, optimizer, batches)
+        if handoff:  # each step handed from an event loop to a worker thread, and awaited
+            asyncio.run(_train_handed_off(model, optimizer, batches))
+        else:
+            train(model, optimizer, batches)
         cpu = time.process_time() - cpu  # before the barrier: its wait is not the step's
         dist.barrier()
         if rank == 0:
@@ -144,25 +207,37 @@ def _ddp_rank(
         dist.destroy_process_group()
 
 
+async def _train_handed_off(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any]
+) -> None:
+    worker = HandOff()
+    try:
+        for batch in batches:
+            await worker.run(functools.partial(train, model, optimizer, [batch]))
+    finally:
+        worker.close()
+
+
 def ddp_gloo(
-    workload: str, shape: tuple[int, ...], steps: int, threads: int
+    workload: str, shape: tuple[int, ...], steps: int, threads: int, handoff: bool = False
 ) -> tuple[float, float]:
     """DDP's samples per second, and rank 0's CPU time a step in ms (every thread of its
-    process); a run whose gloo rank aborts (seen once here: "terminate called without an
-    active exception" at shutdown) is run again, up to three times."""
+    process); with ``handoff``, each rank's steps run on a worker thread, handed over from an
+    event loop (:class:`HandOff`). A run whose gloo rank aborts (seen once here: "terminate
+    called without an active exception" at shutdown) is run again, up to three times."""
     for attempt in range(3):
         try:
-            return _ddp_gloo_once(workload, shape, steps, threads)
+            return _ddp_gloo_once(workload, shape, steps, threads, handoff)
         except RuntimeError as error:
             print(f"  (ddp-gloo-2 run {attempt + 1} failed: {error}; running it again)")
     raise RuntimeError("ddp-gloo-2 failed three times")
 
 
 def _ddp_gloo_once(
-    workload: str, shape: tuple[int, ...], steps: int, threads: int
+    workload: str, shape: tuple[int, ...], steps: int, threads: int, handoff: bool
 ) -> tuple[float, float]:
     samples_per_second, cpu = run_two_ranks(
-        _ddp_rank, max(1, threads // 2), shape, workload, steps, name="DDP"
+        _ddp_rank, max(1, threads // 2), shape, workload, steps, handoff, name="DDP"
     )
     return float(samples_per_second), float(cpu)
 
@@ -208,6 +283,8 @@ async def measure(contender: str, workload: str, steps: int) -> float:
     batches = make_batches(shape, steps)
     if contender == "plain":
         return plain(make, batches)
+    if contender == "handoff-1":
+        return await handed_off(make, batches)
     return await with_asyncddp(make, batches, int(contender.rsplit("-", 1)[1]))
 
 
@@ -234,12 +311,13 @@ async def main() -> None:
     for name, (_, shape) in WORKLOADS.items():
         figures: dict[str, list[float]] = {
             "plain": [],
+            "handoff-1": [],
             "asyncddp-1": [],
             "asyncddp-2": [],
             "ddp-gloo-2": [],
         }
         for _ in range(args.rounds):
-            for contender in ("plain", "asyncddp-1", "asyncddp-2"):
+            for contender in ("plain", "handoff-1", "asyncddp-1", "asyncddp-2"):
                 figures[contender].append(measure_alone(contender, name, args.steps))
             if not args.no_ddp:
                 figures["ddp-gloo-2"].append(ddp_gloo(name, shape, args.steps, threads)[0])
@@ -256,6 +334,8 @@ async def main() -> None:
             )
         slower = median["plain"] / median["asyncddp-1"] - 1
         print(f"  asyncddp-1 per step vs plain: {slower:+.1%}  (target <= +3%)")
+        floor = median["plain"] / median["handoff-1"] - 1
+        print(f"  handoff-1 per step vs plain:  {floor:+.1%}  (the floor of a free event loop)")
 
 
 if __name__ == "__main__":
