@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from ._devices import Device
 from ._exceptions import ConfigurationError, WorkerFailedError, _message, _qualified_name
-from ._sync import clip_coefficient
+from ._sync import clip_coefficient, squared_norm
 
 __all__ = ["Comm", "Failure", "Global", "PeerFailed", "RankLost"]
 
@@ -487,7 +487,7 @@ def clip_and_scale(
     """The reduced gradients' coefficient (``scale`` times the clipping) and finiteness."""
     coefficient, finite = scale, True
     if clip is not None:
-        norm_sq = sum(float(torch.linalg.vector_norm(t, dtype=torch.float32) ** 2) for t in tensors)
+        norm_sq = squared_norm(tensors)
         norm = math.sqrt(norm_sq) * scale
         finite = math.isfinite(norm)
         if finite:

@@ -32,7 +32,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FlatGrads", "StepBackup", "bucket_layout", "chunk_bounds", "clip_coefficient"]
+__all__ = [
+    "FlatGrads",
+    "StepBackup",
+    "bucket_layout",
+    "chunk_bounds",
+    "clip_coefficient",
+    "squared_norm",
+]
 
 
 def chunk_bounds(numel: int, parts: int, index: int) -> tuple[int, int]:
@@ -177,7 +184,7 @@ def reduce_scatter(
         if scale != 1.0:
             scratch.mul_(scale)
         if want_norm:
-            norm_sq += float(torch.linalg.vector_norm(scratch, dtype=torch.float32) ** 2)
+            norm_sq += squared_norm([scratch])
         elif want_finite:
             finite = finite and bool(torch.isfinite(scratch).all())
     if want_norm:
@@ -195,13 +202,27 @@ def _scale_in_place(
     if scale != 1.0:
         torch._foreach_mul_(tensors, scale)
     if want_norm:
-        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
-        norm_sq = float(torch.linalg.vector_norm(torch.stack(norms)) ** 2)
+        norm_sq = squared_norm(tensors)
         return norm_sq, math.isfinite(norm_sq)  # an inf or NaN anywhere makes the norm one
     if want_finite:  # the largest magnitude of each: finite if they all are (one sync)
         largest = torch._foreach_norm(tensors, math.inf)
         return 0.0, bool(torch.isfinite(torch.stack(largest)).all())
     return 0.0, True
+
+
+def squared_norm(tensors: Sequence[torch.Tensor]) -> float:
+    """The squared L2 norm of ``tensors`` together (one sync). 16-bit floats are summed in
+    float32, where their squares cannot overflow; wider ones in their own dtype (a norm in
+    float32 of float64 gradients is refused by torch)."""
+    narrow = [t for t in tensors if t.element_size() < 4]
+    wide = [t for t in tensors if t.element_size() >= 4]
+    norms = [
+        *(torch._foreach_norm(narrow, 2, dtype=torch.float32) if narrow else ()),
+        *(torch._foreach_norm(wide, 2) if wide else ()),
+    ]
+    if not norms:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack(norms)) ** 2)
 
 
 def all_gather(replicas: Sequence[FlatGrads], index: int, coefficient: float) -> None:

@@ -251,6 +251,28 @@ async def test_gradient_clipping_uses_the_global_norm_of_the_averaged_gradients(
     assert_close(trainer.model, expected)
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_gradient_clipping_works_for_a_float64_model(devices: int) -> None:
+    batches = [(x.double(), y) for x, y in make_batches([8, 8, 8])]
+    model = make_model().double()
+    opt = SGD(model.parameters())
+    for batch in batches:
+        opt.zero_grad()
+        loss_step(model, batch).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+    trainer = Trainer(
+        make_model().double(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(devices),
+        gradient_clip_val=0.05,
+        progress_bar=False,
+    )
+    await trainer.fit(batches, epochs=1)
+    assert_close(trainer.model, model)
+
+
 @pytest.mark.parametrize("interval", ["epoch", "step"])
 async def test_lr_scheduler_steps_like_the_plain_loop(interval: str) -> None:
     batches = make_batches([4, 4])
