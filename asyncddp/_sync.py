@@ -6,8 +6,9 @@ large operations rather than one per parameter (as DDP's ``gradient_as_bucket_vi
 
 A lone replica (one device, one process: nothing to reduce) keeps no buffers: its gradients
 are set to ``None`` when a step opens, as ``optimizer.zero_grad()`` does, so that autograd
-hands over the gradients it computed instead of adding them into zeroed buffers (measured on
-the benchmarks' MLP: 0.25-0.45 ms a step, 6-12%: the zeroing and the extra pass of the addition).
+hands over the gradients it computed instead of adding them into zeroed buffers (with the
+backup copied ahead, one device went from +26.5% to +14.7% of a plain loop on the benchmarks'
+MLP: ``python bench/ab.py 4953c32``, in docs/benchmarks.md).
 
 The in-process all-reduce runs on the devices' own workers, in two steps, so that every device
 works on it at once:
