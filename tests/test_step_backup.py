@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -50,52 +51,46 @@ def copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return made
 
 
-def test_a_copy_made_ahead_is_the_backup_while_nothing_changed(copies: list[int]) -> None:
+def assert_undone_to_the_capture(change: Callable[[nn.Module, Any, StepBackup], None]) -> None:
+    """A copy made ahead, then ``change``, then the capture and a step: undoing the step gives
+    back the state as it was at the capture."""
     model, optimizer = model_and_optimizer()
     params = list(model.parameters())
     backup = StepBackup()
     train_step(model, optimizer)
     backup.prepare(params, optimizer)
+    change(model, optimizer, backup)
     before = state(model, optimizer)
     backup.capture(params, optimizer, None)
-    assert len(copies) == 1  # the capture kept the copy made ahead
     train_step(model, optimizer)
     backup.restore(params, optimizer, None)
     assert_state(model, optimizer, before)
+
+
+def test_a_copy_made_ahead_is_the_backup_while_nothing_changed(copies: list[int]) -> None:
+    assert_undone_to_the_capture(lambda model, optimizer, backup: None)
+    assert len(copies) == 1  # the capture kept the copy made ahead
 
 
 def test_a_copy_made_ahead_of_a_change_is_not_the_backup(copies: list[int]) -> None:
-    model, optimizer = model_and_optimizer()
-    params = list(model.parameters())
-    backup = StepBackup()
-    train_step(model, optimizer)
-    backup.prepare(params, optimizer)
-    with torch.no_grad():
-        params[0].add_(1.0)  # after the copy: its version counter moves
-    before = state(model, optimizer)
-    backup.capture(params, optimizer, None)
+    def change(model: nn.Module, optimizer: Any, backup: StepBackup) -> None:
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)  # after the copy: its version counter moves
+
+    assert_undone_to_the_capture(change)
     assert len(copies) == 2  # copied again
-    train_step(model, optimizer)
-    backup.restore(params, optimizer, None)
-    assert_state(model, optimizer, before)
 
 
 def test_optimizer_state_loaded_after_the_copy_ahead_is_copied_again(copies: list[int]) -> None:
-    model, optimizer = model_and_optimizer()
-    params = list(model.parameters())
     other_model, other = model_and_optimizer()
     train_step(other_model, other)
     train_step(other_model, other)
-    backup = StepBackup()
-    train_step(model, optimizer)
-    backup.prepare(params, optimizer)
-    optimizer.load_state_dict(other.state_dict())  # new momentum tensors, same parameters
-    before = state(model, optimizer)
-    backup.capture(params, optimizer, None)
+
+    def change(model: nn.Module, optimizer: Any, backup: StepBackup) -> None:
+        optimizer.load_state_dict(other.state_dict())  # new momentum tensors, same parameters
+
+    assert_undone_to_the_capture(change)
     assert len(copies) == 2
-    train_step(model, optimizer)
-    backup.restore(params, optimizer, None)
-    assert_state(model, optimizer, before)
 
 
 def test_the_last_backup_still_restores_once_the_next_is_copied_ahead() -> None:
@@ -117,16 +112,9 @@ def test_the_last_backup_still_restores_once_the_next_is_copied_ahead() -> None:
 
 def test_a_copy_made_ahead_is_forgotten_when_asked(copies: list[int]) -> None:
     # A change through .data leaves no version behind: a call that starts forgets the copy.
-    model, optimizer = model_and_optimizer()
-    params = list(model.parameters())
-    backup = StepBackup()
-    train_step(model, optimizer)
-    backup.prepare(params, optimizer)
-    params[0].data.mul_(2.0)
-    backup.forget_ahead()
-    before = state(model, optimizer)
-    backup.capture(params, optimizer, None)
+    def change(model: nn.Module, optimizer: Any, backup: StepBackup) -> None:
+        next(model.parameters()).data.mul_(2.0)
+        backup.forget_ahead()
+
+    assert_undone_to_the_capture(change)
     assert len(copies) == 2
-    train_step(model, optimizer)
-    backup.restore(params, optimizer, None)
-    assert_state(model, optimizer, before)
