@@ -185,9 +185,11 @@ class Jobs:
         # The gradients stay until the next step's first forward zeroes them: others may still
         # be reading this replica's reduced chunk (in-place all-gather) until this step ends.
         replica.grads.attach()
-        if work.atomic and replica.device.type == "cpu":
-            # The next step's backup, copied while the event loop handles this step's results
-            # (on a GPU the copy is the device's work, queued on the stream: nothing to gain).
+        if work.atomic and replica.grads.loose and replica.device.type == "cpu":
+            # One CPU device in one process: the next step's backup, copied while the event
+            # loop handles this step's results, on a core that is idle meanwhile. Not with
+            # several workers or ranks, whose cores are busy then (measured: no gain, and it
+            # costs a second copy's memory), nor on a GPU (the copy is the device's work).
             after_job(functools.partial(replica.backup.prepare, replica.params, replica.optimizer))
         if index:
             # Buffers (BatchNorm statistics) follow the first replica, as DDP's

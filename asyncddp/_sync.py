@@ -334,14 +334,14 @@ class StepBackup:
 
     Buffers are kept between steps, so after the first step a backup allocates nothing.
 
-    :meth:`prepare` copies the tensors ahead, once the previous step has reported (on a CPU
-    device, where the copy takes the worker's own time, while the event loop handles that
-    step's results); :meth:`capture` then keeps that copy if every tensor is still the one it
-    was copied from, unchanged (by its version counter), and copies afresh otherwise. A copy
-    made ahead goes into buffers of its own, as the last capture may still have to be restored
-    (a cancellation that comes as the step ends undoes it): with it, a backup holds two
-    copies. Changes made through ``.data`` leave no version behind; a copy made ahead is
-    dropped when a fit, validate or checkpoint call starts (:meth:`forget_ahead`).
+    :meth:`prepare` copies the tensors ahead, once the previous step has reported (for one
+    CPU device in one process, where the copy takes the worker's own time, while the event
+    loop handles that step's results); :meth:`capture` then keeps that copy if every tensor
+    is still the one it was copied from, unchanged (by its version counter), and copies afresh
+    otherwise. A copy made ahead goes into buffers of its own, as the last capture may still
+    have to be restored (a cancellation that comes as the step ends undoes it): with it, a
+    backup holds two copies. Changes made through ``.data`` leave no version behind; a copy
+    made ahead is dropped when a fit, validate or checkpoint call starts (:meth:`forget_ahead`).
     """
 
     def __init__(self) -> None:

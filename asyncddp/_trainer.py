@@ -122,8 +122,9 @@ class Trainer(Resumable):
         max_retries: Retries per step with ``on_failure="retry"``.
         atomic_steps: Copy parameters and optimizer state before each optimizer step, so that
             a step that fails on any device is undone on every device. Costs one copy of both per
-            device, two on a CPU device (there the next step's copy is made ahead, while the
-            event loop handles a step's results, so the step does not wait for it); turn off to
+            device; two for one CPU device in one process (there the next step's copy is made
+            ahead, while the event loop handles a step's results, so the step does not wait for
+            it); turn off to
             save memory (a failure in the optimizer step then leaves the replicas unusable until
             ``load_state_dict``).
         checkpoint_dir: Where ``fit`` writes a checkpoint after every epoch; ``None`` for none.
