@@ -339,6 +339,7 @@ class DistributedSteps(Steps):
         jobs = self._jobs()
         if n > 1:  # sum the devices' buckets into each owner's chunk; the scale comes later
             await self._run_all(jobs.reduce, (1.0, False, False), phase="reduce")
+        assert not self._replicas[0].grads.loose, "a process group exchanges flat buffers"
         buckets = [
             tensor
             for replica in self._replicas

@@ -130,7 +130,8 @@ class Jobs:
             return fn(replica.model, batch)
 
     def train(self, ctx: WorkerContext, work: TrainWork) -> Sums:
-        """Forward and backward on one shard; gradients accumulate into the flat buffers."""
+        """Forward and backward on one shard; gradients accumulate into the flat buffers (a
+        lone replica's into its ``.grad``)."""
         replica = self.replicas[ctx.device.index]
         if work.opens_window:
             replica.open_window()
@@ -182,8 +183,9 @@ class Jobs:
         replica.optimizer.step()
         if work.scheduler_step and replica.scheduler is not None:
             replica.scheduler.step()
-        # The gradients stay until the next step's first forward zeroes them: others may still
-        # be reading this replica's reduced chunk (in-place all-gather) until this step ends.
+        # The gradients stay until the next step opens (zeroed; None for a lone replica):
+        # others may still be reading this replica's reduced chunk (in-place all-gather) until
+        # this step ends.
         replica.grads.attach()
         if work.atomic and replica.grads.loose and replica.device.type == "cpu":
             # One CPU device in one process: the next step's backup, copied while the event
@@ -234,6 +236,7 @@ class Jobs:
         local.add(earlier)
         local.add(self.train(ctx, train))
         replica = self.replicas[ctx.device.index]
+        assert not replica.grads.loose, "a replica in a process group exchanges flat buffers"
         used = [bool(local.used >> i & 1) for i in range(len(replica.params))]
         result, coefficient, _ = exchange_gradients(
             comm, local, used, replica.grads.buffers, replica.buffers, exchange

@@ -1,4 +1,4 @@
-"""One device's replica: its model, optimizer, LR scheduler, gradient buckets and backups.
+"""One device's replica: its model, optimizer, LR scheduler, gradients and backups.
 
 Everything here runs on that device's worker thread, never on the event loop.
 """
@@ -23,6 +23,7 @@ __all__ = [
     "SchedulerFactory",
     "StepFunction",
     "build_replica",
+    "has_sparse_gradients",
     "loss_and_metrics",
 ]
 
@@ -33,7 +34,7 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
 class Replica:
-    """A device's model, optimizer, LR scheduler and flat gradient buffers."""
+    """A device's model, optimizer, LR scheduler and gradients (:class:`FlatGrads`)."""
 
     def __init__(
         self,
@@ -70,7 +71,8 @@ class Replica:
         self.grads = FlatGrads(self.params, parts, index, loose=loose)
 
     def open_window(self) -> None:
-        """Before a step's first forward: zero the gradients (the last step left them), keep
+        """Before a step's first forward: zero the gradients (the last step left them; a lone
+        replica's become ``None``), keep
         the buffers, forget which params were used."""
         self.grads.attach()
         self.grads.zero_()
@@ -91,6 +93,17 @@ class Replica:
     def lr(self) -> float | None:
         groups = self.optimizer.param_groups
         return float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
+
+
+def has_sparse_gradients(model: nn.Module) -> bool:
+    """Whether a module of ``model`` makes sparse gradients (``nn.Embedding`` or
+    ``nn.EmbeddingBag`` with ``sparse=True``). Such a model keeps flat buffers even on one
+    device: adding a sparse gradient into a dense buffer makes it dense, as with several
+    devices, so that clipping, loss scaling and every optimizer see the same gradients."""
+    return any(
+        isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
+        for module in model.modules()
+    )
 
 
 def build_replica(

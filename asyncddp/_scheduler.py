@@ -221,7 +221,9 @@ class StepScheduler:
         devices: Where to run: anything :func:`resolve_devices` accepts. Checked here, before
             any thread starts.
         step_timeout: Seconds a device may take for one job before :meth:`run` raises
-            :class:`WorkerTimeoutError`; ``None`` waits as long as it takes.
+            :class:`WorkerTimeoutError`, counted from when the job is queued (so it includes
+            the work an earlier job left for after it, :func:`after_job`); ``None`` waits as
+            long as it takes.
         drain_timeout: After a failure or a cancellation, how many seconds to wait for the
             other devices' jobs that are already running, before raising anyway (they finish
             on their own; that device's next job waits for them). ``None`` waits for them.
@@ -349,7 +351,8 @@ class StepScheduler:
                 worker.join()  # its last job has run: the thread is returning
             else:
                 warnings.warn(
-                    f"{worker.thread.name} is still running a job after drain_timeout="
+                    f"{worker.thread.name} is still running a job (or the work one left for "
+                    f"after it) after drain_timeout="
                     f"{self.drain_timeout} s; left behind, it exits once the job returns",
                     RuntimeWarning,
                     stacklevel=3,

@@ -3,14 +3,14 @@
 A step is a *window* of one or more batches (``accumulate_grad_batches``):
 
 1. forward and backward of each batch on every device (``train`` jobs), gradients accumulating
-   into each replica's flat buckets;
+   into each replica's flat buckets (one device alone: into its ``.grad``, nothing to reduce);
 2. reduce-scatter of the buckets (``reduce`` jobs): global norm, finite check;
 3. all-gather and optimizer step on every device (``apply`` jobs, shielded: all run to the end).
 
 A failure anywhere makes the window *abandoned* on every device (``abandon`` jobs): an optimizer
 step already taken is undone from its backup, the buffers go back to what the window found, the
-gradients are zeroed. Then the failure policy raises, retries the window, or drops the failed
-devices and retries on the rest. No step is ever half-applied.
+gradients are zeroed (or set to ``None``). Then the failure policy raises, retries the window, or
+drops the failed devices and retries on the rest. No step is ever half-applied.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ class Steps:
     _window_open: bool
     _consistent: bool
     _apply_id: int
+    _sparse_grads: bool  # the model makes sparse gradients (see has_sparse_gradients)
 
     def _jobs(self) -> Jobs:
         raise NotImplementedError
@@ -101,8 +102,9 @@ class Steps:
         return False
 
     def _lone(self) -> bool:
-        """One device in one process: its gradients need no buffers (see ``FlatGrads``)."""
-        return len(self.devices) == 1 and not self._distributed()
+        """One device in one process, and dense gradients: they need no buffers (see
+        ``FlatGrads``; sparse ones are made dense by adding them into one)."""
+        return len(self.devices) == 1 and not self._distributed() and not self._sparse_grads
 
     def _apply_work(self, coefficient: float = 1.0, unused: tuple[int, ...] = ()) -> ApplyWork:
         """The next optimizer step's work, under a new apply id."""

@@ -212,18 +212,24 @@ def _scale_in_place(
 
 
 def squared_norm(tensors: Sequence[torch.Tensor]) -> float:
-    """The squared L2 norm of ``tensors`` together (one sync). 16-bit floats are summed in
-    float32, where their squares cannot overflow; wider ones in their own dtype (a norm in
-    float32 of float64 gradients is refused by torch)."""
-    narrow = [t for t in tensors if t.element_size() < 4]
-    wide = [t for t in tensors if t.element_size() >= 4]
-    norms = [
-        *(torch._foreach_norm(narrow, 2, dtype=torch.float32) if narrow else ()),
-        *(torch._foreach_norm(wide, 2) if wide else ()),
-    ]
-    if not norms:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack(norms)) ** 2)
+    """The squared L2 norm of ``tensors`` together: one sync a device (the tensors of several
+    devices' replicas may come together here). 16-bit floats are summed in float32, where
+    their squares cannot overflow; wider ones in their own dtype (torch refuses a float32 norm
+    of float64 tensors). The square is taken in Python, in double precision."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_device.setdefault(tensor.device, []).append(tensor)
+    total = 0.0
+    for group in by_device.values():
+        norms = [
+            torch.linalg.vector_norm(t, dtype=torch.float32) for t in group if t.element_size() < 4
+        ]
+        wide = [t for t in group if t.element_size() >= 4]
+        if wide:
+            norms.extend(torch._foreach_norm(wide, 2))
+        norm = float(torch.linalg.vector_norm(torch.stack(norms)))
+        total += norm * norm
+    return total
 
 
 def all_gather(replicas: Sequence[FlatGrads], index: int, coefficient: float) -> None:
@@ -284,16 +290,22 @@ class _Copy:
 
 
 def _copy_tensors(
-    params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, reuse: _Copy | None
+    params: Sequence[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    reuse: _Copy | None,
+    *,
+    track: bool = False,
 ) -> _Copy:
     """Copy ``params`` and the optimizer's state for them, into ``reuse``'s buffers where they
-    fit (so that after the first step a copy allocates nothing)."""
+    fit (so that after the first step a copy allocates nothing). With ``track``, keep each
+    source and its version counter as it was before the copy (a copy made ahead); otherwise
+    keep no reference to them (a replaced optimizer state must be let go)."""
+    sources = [(p, p._version) for p in params] if track else []
     if reuse is None or len(reuse.params) != len(params):
         saved_params = [p.detach().clone() for p in params]
     else:
         saved_params = reuse.params
         torch._foreach_copy_(saved_params, [p.detach() for p in params])
-    sources = [(p, p._version) for p in params]
     states: list[dict[str, Any] | None] = []
     for i, param in enumerate(params):
         state = optimizer.state.get(param)
@@ -304,6 +316,8 @@ def _copy_tensors(
         copy: dict[str, Any] = {}
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
+                if track:
+                    sources.append((value, value._version))
                 buffer = previous.get(key) if previous else None
                 if (
                     isinstance(buffer, torch.Tensor)
@@ -315,7 +329,6 @@ def _copy_tensors(
                     copy[key] = buffer
                 else:
                     copy[key] = value.detach().clone()
-                sources.append((value, value._version))
             else:
                 copy[key] = value
         states.append(copy)
@@ -354,13 +367,14 @@ class StepBackup:
         the capture copies."""
         reuse, self._ahead, self._spare = self._ahead or self._spare, None, None
         try:
-            self._ahead = _copy_tensors(params, optimizer, reuse)
+            self._ahead = _copy_tensors(params, optimizer, reuse, track=True)
         except Exception:
             self._spare = reuse
 
     def forget_ahead(self) -> None:
         """Drop a copy made ahead (the tensors may change in ways it cannot tell)."""
         if self._ahead is not None:
+            self._ahead.sources = []
             self._spare, self._ahead = self._ahead, None
 
     def capture(
@@ -377,6 +391,9 @@ class StepBackup:
         else:
             tensors = _copy_tensors(params, optimizer, old)
             self._spare = ahead or self._spare
+        tensors.sources = []  # from here on only restored from, never checked
+        if self._spare is not None:
+            self._spare.sources = []
         groups = [
             {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
         ]

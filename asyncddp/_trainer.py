@@ -51,7 +51,14 @@ from ._events import (
 from ._exceptions import AsyncDDPError, ConfigurationError, WorkerFailedError
 from ._jobs import Jobs, Sums, load_into, to_cpu
 from ._precision import LossScaler, autocast_dtype
-from ._replica import OptimizerFactory, Replica, SchedulerFactory, StepFunction, build_replica
+from ._replica import (
+    OptimizerFactory,
+    Replica,
+    SchedulerFactory,
+    StepFunction,
+    build_replica,
+    has_sparse_gradients,
+)
 from ._resume import Resumable
 from ._scheduler import StepScheduler
 from ._steps import DeviceDroppedWarning
@@ -116,7 +123,9 @@ class Trainer(Resumable):
         split_batches: ``True`` splits every batch along dim 0 across the devices; ``False``
             gives each device whole batches of its own (``len(devices)`` batches per step).
         step_timeout: Seconds a device may take for one job; see :class:`StepScheduler`.
-            Across processes, waiting for the other ranks in an exchange does not count.
+            Across processes, waiting for the other ranks in an exchange does not count. On
+            one CPU device with ``atomic_steps``, a step's time includes the backup copied
+            ahead of it.
         on_failure: What a failed step does: ``"raise"`` (default), ``"retry"`` it up to
             ``max_retries`` times, or ``"drop"`` the failed devices and go on with the rest.
         max_retries: Retries per step with ``on_failure="retry"``.
@@ -190,6 +199,7 @@ class Trainer(Resumable):
         self._scaler = LossScaler() if self._autocast is torch.float16 else None
         self.precision = precision
         self._source = model
+        self._sparse_grads = has_sparse_gradients(model)
         self._optimizer_factory = optimizer
         self._scheduler_factory = lr_scheduler
         self._step_fn = step
@@ -432,6 +442,8 @@ class Trainer(Resumable):
             pending, self._pending_state = self._pending_state, None
             for replica in self._replicas:
                 load_into(replica, pending or state)
+        if state.get("optimizer") is not None:
+            self._consistent = True  # every replica has the same parameters and optimizer state
 
     # -- sessions: workers and replicas ----------------------------------------------------
 
@@ -442,7 +454,8 @@ class Trainer(Resumable):
         if not self._consistent:
             raise AsyncDDPError(
                 "a failed optimizer step left the replicas different from each other "
-                "(atomic_steps=False); call load_state_dict() with a saved state first"
+                "(atomic_steps=False); call load_state_dict() with a state saved after a step "
+                "(state_dict() or a checkpoint) first"
             )
         self._session_kind = kind
         self._session_done = anyio.Event()

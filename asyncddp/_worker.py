@@ -107,9 +107,9 @@ class DeviceWorker:
     """A thread that runs one device's jobs, in order.
 
     A job is a callable taking no arguments; it reports its own result (see ``_scheduler``)
-    and may return a callable to run once the job is dropped, just before the worker waits for
-    its next job: the place to wake whoever waits for the result. The worker only runs jobs and
-    keeps going, whatever they raise.
+    and may return a callable to run once the job is dropped: the place to wake whoever waits
+    for the result. Then the worker does what the job left for after it (:func:`after_job`),
+    and waits for its next job. The worker only runs jobs and keeps going, whatever they raise.
 
     Args:
         device: The device to run jobs for.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +12,7 @@ import torch
 from torch import nn
 
 from asyncddp import _sync
-from asyncddp._sync import StepBackup
+from asyncddp._sync import StepBackup, squared_norm
 
 
 def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -43,9 +45,9 @@ def copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     made: list[int] = []
     original = _sync._copy_tensors
 
-    def counting(*args: Any) -> Any:
+    def counting(*args: Any, **kwargs: Any) -> Any:
         made.append(1)
-        return original(*args)
+        return original(*args, **kwargs)
 
     monkeypatch.setattr(_sync, "_copy_tensors", counting)
     return made
@@ -118,3 +120,33 @@ def test_a_copy_made_ahead_is_forgotten_when_asked(copies: list[int]) -> None:
 
     assert_undone_to_the_capture(change)
     assert len(copies) == 2
+
+
+def test_a_backup_lets_go_of_optimizer_state_that_was_replaced() -> None:
+    # After load_state_dict (a resume does one), the old state must be freed, not kept alive by
+    # the backup until the next step.
+    model, optimizer = model_and_optimizer()
+    params = list(model.parameters())
+    other_model, other = model_and_optimizer()
+    train_step(other_model, other)
+    backup = StepBackup()
+    train_step(model, optimizer)
+    backup.prepare(params, optimizer)  # a copy made ahead, kept by the capture
+    backup.capture(params, optimizer, None)
+    train_step(model, optimizer)
+    backup.prepare(params, optimizer)  # and one made ahead of the next step
+    old = [weakref.ref(optimizer.state[p]["momentum_buffer"]) for p in params]
+    optimizer.load_state_dict(other.state_dict())
+    backup.forget_ahead()  # as load_into does
+    gc.collect()
+    assert [ref() for ref in old] == [None] * len(old)
+
+
+def test_squared_norm_mixes_dtypes() -> None:
+    tensors = [
+        torch.full((4,), 300.0, dtype=torch.float16),  # 300^2 * 4 overflows float16
+        torch.full((2,), 1e3, dtype=torch.float32),
+        torch.full((3,), 2.0, dtype=torch.float64),  # torch refuses its norm in float32
+    ]
+    expected = 4 * 300.0**2 + 2 * 1e6 + 3 * 4.0
+    assert squared_norm(tensors) == pytest.approx(expected, rel=1e-6)

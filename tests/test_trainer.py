@@ -253,6 +253,48 @@ async def test_gradient_clipping_uses_the_global_norm_of_the_averaged_gradients(
     assert_close(trainer.model, expected)
 
 
+class SparseBag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(20, 4, sparse=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(tokens).mean(1))
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_a_model_with_sparse_gradients_trains_with_adamw_and_clipping(devices: int) -> None:
+    # nn.Embedding(sparse=True) makes sparse gradients, which AdamW and the norm refuse: they
+    # are made dense (added into the flat buffers), on one device as on several.
+    generator = torch.Generator().manual_seed(2)
+    batches = [
+        (torch.randint(0, 20, (8, 5), generator=generator), torch.randint(0, 3, (8,)))
+        for _ in range(4)
+    ]
+    expected = SparseBag()
+    opt = ADAMW(expected.parameters())
+    for batch in batches:
+        opt.zero_grad()
+        loss_step(expected, batch).backward()
+        for param in expected.parameters():  # what AdamW can take: dense gradients
+            if param.grad is not None and param.grad.is_sparse:
+                param.grad = param.grad.to_dense()
+        torch.nn.utils.clip_grad_norm_(expected.parameters(), 0.05)
+        opt.step()
+    trainer = Trainer(
+        SparseBag(),
+        ADAMW,
+        loss_step,
+        devices=cpu_devices(devices),
+        gradient_clip_val=0.05,
+        progress_bar=False,
+    )
+    await trainer.fit(batches, epochs=1)
+    assert_close(trainer.model, expected)
+
+
 @pytest.mark.parametrize("interval", ["epoch", "step"])
 async def test_lr_scheduler_steps_like_the_plain_loop(interval: str) -> None:
     batches = make_batches([4, 4])
@@ -996,7 +1038,7 @@ class FailBeforeUpdate(torch.optim.SGD):
 
 @pytest.mark.parametrize("policy", ["retry", "drop"])
 async def test_without_atomic_steps_a_failed_optimizer_step_is_not_retried(policy: str) -> None:
-    FailBeforeUpdate.fired = False
+    FailBeforeUpdate.fired = True  # not yet
     trainer = Trainer(
         make_model(),
         functools.partial(FailBeforeUpdate, lr=0.1),
@@ -1006,10 +1048,18 @@ async def test_without_atomic_steps_a_failed_optimizer_step_is_not_retried(polic
         on_failure=policy,
         progress_bar=False,  # type: ignore[arg-type]
     )
+    await trainer.fit(make_batches([6, 6]), epochs=1)
+    saved = trainer.state_dict()
+    FailBeforeUpdate.fired = False
     with pytest.raises(WorkerFailedError, match="failed before the update"):
-        await trainer.fit(make_batches([6, 6]), epochs=1)
+        await trainer.fit(make_batches([6, 6]), epochs=2)
     with pytest.raises(asyncddp.AsyncDDPError, match="atomic_steps=False"):
-        await trainer.fit(make_batches([6, 6]), epochs=1)
+        await trainer.fit(make_batches([6, 6]), epochs=2)
+    # As the error says: a saved state loaded into every replica makes the trainer usable again.
+    trainer.load_state_dict(saved)
+    result = await trainer.fit(make_batches([6, 6]), epochs=2)
+    assert result.global_step == 4
+    assert_replicas_identical(trainer)
 
 
 async def test_dropping_a_device_with_whole_batches_per_device_regroups_them() -> None:
