@@ -12,6 +12,10 @@ number of CPU threads in all (``torch.get_num_threads()``, all cores by default)
               that keeps the event loop free by training on a thread of its own;
 - asyncddp-1: ``Trainer`` on one device (its worker gets every thread): the overhead target;
 - asyncddp-N: ``Trainer`` on ``cpu_devices(N)``, the threads shared among the workers;
+- halves-2:   the compute alone of a 2-way data-parallel step: two threads, one intra-op thread
+              each, the forward and backward of half the batch each, in step (a barrier a step),
+              no reduction and no optimizer step: no data-parallel design on these cores does
+              less, so halves-2 / plain bounds asyncddp-2 / plain from above;
 - ddp-gloo-2: ``DistributedDataParallel`` over gloo, 2 processes on localhost, half the batch
               and half the threads each.
 
@@ -158,6 +162,34 @@ async def handed_off(make: Callable[[], nn.Module], batches: list[Any]) -> float
         worker.close()
 
 
+def halves(make: Callable[[], nn.Module], batches: list[Any]) -> float:
+    """Samples per second of the compute alone of a 2-way data-parallel step (see above)."""
+    torch.manual_seed(0)
+    models = [make() for _ in range(2)]
+    shards = [[(x[i::2], y[i::2]) for x, y in batches] for i in range(2)]
+    barrier = threading.Barrier(2)
+    seconds = [0.0, 0.0]
+
+    def run(i: int) -> None:
+        torch.set_num_threads(1)  # per thread, as asyncddp's CPU workers do
+        for batch in shards[i][:3]:  # warm-up
+            step(models[i], batch).backward()
+        barrier.wait()
+        start = time.perf_counter()
+        for batch in shards[i]:
+            models[i].zero_grad()
+            step(models[i], batch).backward()
+            barrier.wait()
+        seconds[i] = time.perf_counter() - start
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return len(batches) * BATCH / max(seconds)
+
+
 async def with_asyncddp(
     make: Callable[[], nn.Module], batches: list[Any], devices: asyncddp.DeviceSpec
 ) -> float:
@@ -285,6 +317,8 @@ async def measure(contender: str, workload: str, steps: int) -> float:
         return plain(make, batches)
     if contender == "handoff-1":
         return await handed_off(make, batches)
+    if contender == "halves-2":
+        return halves(make, batches)
     return await with_asyncddp(make, batches, int(contender.rsplit("-", 1)[1]))
 
 
@@ -314,10 +348,11 @@ async def main() -> None:
             "handoff-1": [],
             "asyncddp-1": [],
             "asyncddp-2": [],
+            "halves-2": [],
             "ddp-gloo-2": [],
         }
         for _ in range(args.rounds):
-            for contender in ("plain", "handoff-1", "asyncddp-1", "asyncddp-2"):
+            for contender in ("plain", "handoff-1", "asyncddp-1", "asyncddp-2", "halves-2"):
                 figures[contender].append(measure_alone(contender, name, args.steps))
             if not args.no_ddp:
                 figures["ddp-gloo-2"].append(ddp_gloo(name, shape, args.steps, threads)[0])
@@ -327,6 +362,10 @@ async def main() -> None:
             print(f"  {key:<11} {value:>9.0f} samples/s  ({1e3 * BATCH / value:6.2f} ms/step)")
         print(
             f"  asyncddp-2 / plain       {median['asyncddp-2'] / median['plain']:.2f}x  (target >= 0.95x)"
+        )
+        print(
+            f"  halves-2 / plain         {median['halves-2'] / median['plain']:.2f}x  (the "
+            "compute alone: the most a 2-way split can reach)"
         )
         if "ddp-gloo-2" in median:
             print(
