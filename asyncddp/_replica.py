@@ -72,8 +72,7 @@ class Replica:
 
     def open_window(self) -> None:
         """Before a step's first forward: zero the gradients (the last step left them; a lone
-        replica's become ``None``), keep
-        the buffers, forget which params were used."""
+        replica's become ``None``), keep the buffers, forget which params were used."""
         self.grads.attach()
         self.grads.zero_()
         self.used = [False] * len(self.params)

@@ -106,6 +106,10 @@ class Steps:
         ``FlatGrads``; sparse ones are made dense by adding them into one)."""
         return len(self.devices) == 1 and not self._distributed() and not self._sparse_grads
 
+    async def _regroup(self) -> None:
+        """Re-cut every replica's gradients for the devices (and process group) there are now."""
+        await self._run_all(self._jobs().regroup, (len(self.devices), self._lone()), phase="setup")
+
     def _apply_work(self, coefficient: float = 1.0, unused: tuple[int, ...] = ()) -> ApplyWork:
         """The next optimizer step's work, under a new apply id."""
         self._apply_id += 1
@@ -398,6 +402,6 @@ class Steps:
             # A hung device's thread is left behind on purpose: that is why it is dropped.
             warnings.simplefilter("ignore", RuntimeWarning)
             await old.aclose()
-        await self._run_all(self._jobs().regroup, (len(self.devices), self._lone()), phase="setup")
+        await self._regroup()
         for name in sorted(failed):
             self._hub.publish(DeviceDropped(name, tuple(d.name for d in self.devices)))

@@ -133,9 +133,8 @@ class Trainer(Resumable):
             a step that fails on any device is undone on every device. Costs one copy of both per
             device; two for one CPU device in one process (there the next step's copy is made
             ahead, while the event loop handles a step's results, so the step does not wait for
-            it); turn off to
-            save memory (a failure in the optimizer step then leaves the replicas unusable until
-            ``load_state_dict``).
+            it); turn off to save memory (a failure in the optimizer step then leaves the
+            replicas unusable until ``load_state_dict``).
         checkpoint_dir: Where ``fit`` writes a checkpoint after every epoch; ``None`` for none.
         progress_bar: Show a progress bar (tqdm's, which also renders in notebooks); by default
             when the output is a terminal or a notebook.
@@ -474,8 +473,7 @@ class Trainer(Resumable):
                 if not self._replicas:
                     await self._build_replicas()
                 elif self._replicas[0].grads.loose != self._lone():  # joined a process group
-                    work = (len(self.devices), self._lone())
-                    await self._run_all(self._jobs().regroup, work, phase="setup")
+                    await self._regroup()
                 for replica in self._replicas:  # changed through .data since? (no worker runs)
                     replica.backup.forget_ahead()
                 if self._pending_state is not None:
