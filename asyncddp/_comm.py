@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from ._devices import Device
 from ._exceptions import ConfigurationError, WorkerFailedError, _message, _qualified_name
-from ._sync import clip_coefficient, squared_norm
+from ._sync import all_finite, clip_coefficient, squared_norm
 
 __all__ = ["Comm", "Failure", "Global", "PeerFailed", "RankLost"]
 
@@ -493,5 +493,5 @@ def clip_and_scale(
         if finite:
             coefficient = scale * clip_coefficient(norm, clip)
     elif want_finite:
-        finite = all(bool(torch.isfinite(t).all()) for t in tensors)
+        finite = all_finite(tensors)
     return coefficient, finite

@@ -26,7 +26,7 @@ step boundary between them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from torch import nn
 __all__ = [
     "FlatGrads",
     "StepBackup",
+    "all_finite",
     "bucket_layout",
     "chunk_bounds",
     "clip_coefficient",
@@ -170,45 +171,45 @@ def reduce_scatter(
     """
     own = replicas[index]
     if len(replicas) == 1:
-        return _scale_in_place(own.tensors(), scale, want_norm=want_norm, want_finite=want_finite)
-    norm_sq = 0.0
-    finite = True
-    for b, scratch in enumerate(own.scratch):
-        device = scratch.device
-        torch.add(
-            replicas[0].chunk(b, index).to(device, non_blocking=True),
-            replicas[1].chunk(b, index).to(device, non_blocking=True),
-            out=scratch,
-        )
-        for other in replicas[2:]:
-            scratch.add_(other.chunk(b, index).to(device, non_blocking=True))
-        if scale != 1.0:
-            scratch.mul_(scale)
-        if want_norm:
-            norm_sq += squared_norm([scratch])
-        elif want_finite:
-            finite = finite and bool(torch.isfinite(scratch).all())
+        reduced = own.tensors()  # a loose replica's: one tensor a parameter, one fused op
+        if scale != 1.0 and reduced:
+            torch._foreach_mul_(reduced, scale)
+    else:
+        reduced = own.scratch
+        for b, scratch in enumerate(reduced):
+            device = scratch.device
+            torch.add(
+                replicas[0].chunk(b, index).to(device, non_blocking=True),
+                replicas[1].chunk(b, index).to(device, non_blocking=True),
+                out=scratch,
+            )
+            for other in replicas[2:]:
+                scratch.add_(other.chunk(b, index).to(device, non_blocking=True))
+            if scale != 1.0:
+                scratch.mul_(scale)
     if want_norm:
-        finite = math.isfinite(norm_sq)  # an inf or NaN anywhere makes the norm one
-    return norm_sq, finite
-
-
-def _scale_in_place(
-    tensors: list[torch.Tensor], scale: float, *, want_norm: bool, want_finite: bool
-) -> tuple[float, bool]:
-    """A lone replica's reduce-scatter: scale its gradients in place (a loose replica's are
-    one tensor a parameter: one fused operation over them all, not one call each)."""
-    if not tensors:
-        return 0.0, True
-    if scale != 1.0:
-        torch._foreach_mul_(tensors, scale)
-    if want_norm:
-        norm_sq = squared_norm(tensors)
+        norm_sq = squared_norm(reduced)
         return norm_sq, math.isfinite(norm_sq)  # an inf or NaN anywhere makes the norm one
-    if want_finite:  # the largest magnitude of each: finite if they all are (one sync)
-        largest = torch._foreach_norm(tensors, math.inf)
-        return 0.0, bool(torch.isfinite(torch.stack(largest)).all())
-    return 0.0, True
+    return 0.0, all_finite(reduced) if want_finite else True
+
+
+def _by_device(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by device (the reduced tensors of several devices' replicas may
+    come together), so that each group is one sync."""
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device, []).append(tensor)
+    return list(groups.values())
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every value of ``tensors`` is finite: the largest magnitude of each, one sync a
+    device. An empty tensor has no largest value (torch refuses it) and is finite."""
+    for group in _by_device(t for t in tensors if t.numel()):
+        largest = torch._foreach_norm(group, math.inf)
+        if not bool(torch.isfinite(torch.stack(largest)).all()):
+            return False
+    return True
 
 
 def squared_norm(tensors: Sequence[torch.Tensor]) -> float:
@@ -216,11 +217,8 @@ def squared_norm(tensors: Sequence[torch.Tensor]) -> float:
     devices' replicas may come together here). 16-bit floats are summed in float32, where
     their squares cannot overflow; wider ones in their own dtype (torch refuses a float32 norm
     of float64 tensors). The square is taken in Python, in double precision."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_device.setdefault(tensor.device, []).append(tensor)
     total = 0.0
-    for group in by_device.values():
+    for group in _by_device(tensors):
         norms = [
             torch.linalg.vector_norm(t, dtype=torch.float32) for t in group if t.element_size() < 4
         ]

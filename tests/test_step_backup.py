@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from asyncddp import _sync
-from asyncddp._sync import StepBackup, squared_norm
+from asyncddp._sync import StepBackup, all_finite, squared_norm
 
 
 def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -150,3 +150,16 @@ def test_squared_norm_mixes_dtypes() -> None:
     ]
     expected = 4 * 300.0**2 + 2 * 1e6 + 3 * 4.0
     assert squared_norm(tensors) == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("bad", "finite"), [(None, True), (float("inf"), False), (float("nan"), False)]
+)
+def test_all_finite_over_dtypes_and_empty_tensors(bad: float | None, finite: bool) -> None:
+    # An empty gradient (a parameter of size 0, or a device's empty chunk) has no largest
+    # value: it is finite, and must not make the check raise.
+    last = torch.ones(3, dtype=torch.float16)
+    if bad is not None:
+        last[1] = bad
+    tensors = [torch.empty(0), torch.ones(2, dtype=torch.float64), last]
+    assert all_finite(tensors) is finite

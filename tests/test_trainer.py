@@ -376,6 +376,32 @@ async def test_fp16_skips_a_step_whose_gradients_overflow_as_grad_scaler_does(
     assert_replicas_identical(trainer)
 
 
+class WithAnEmptyParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_model()
+        self.empty = nn.Parameter(torch.empty(0))  # gets a gradient of size 0
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.body(inputs) + self.empty.sum()
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_fp16_checks_gradients_of_a_parameter_of_size_0(devices: int) -> None:
+    # Its gradient has no largest value to check: it is finite, and the step goes on.
+    trainer = Trainer(
+        WithAnEmptyParameter(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(devices),
+        precision="fp16",
+        progress_bar=False,
+    )
+    result = await trainer.fit(make_batches([8] * 3), epochs=1)
+    assert result.global_step == 3
+    assert_replicas_identical(trainer)
+
+
 async def test_validate_averages_exactly_over_items() -> None:
     batches = make_batches([5, 3, 1])
     model = make_model()
