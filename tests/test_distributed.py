@@ -207,20 +207,14 @@ def test_ranks_whose_first_calls_differ_are_told_so_at_once(tmp_path: Path) -> N
 
 
 def test_a_checkpoint_saved_while_the_fit_joins_does_not_break_it(tmp_path: Path) -> None:
-    reports, codes, _ = launch("checkpoint-while-joining", tmp_path, timeout=60)
-    assert codes == [0, 0]
-    for report in reports:
-        assert report is not None
+    for report in both_reports("checkpoint-while-joining", tmp_path, timeout=60):
         assert report["global_step"] == 4
 
 
 def test_a_distributed_sampler_gets_a_new_order_each_epoch(tmp_path: Path) -> None:
     # A DataLoader with the user's own DistributedSampler is used as it is, and its set_epoch
     # is called before each epoch: each rank sees exactly the sampler's order for that epoch.
-    reports, codes, _ = launch("distributed-sampler", tmp_path)
-    assert codes == [0, 0]
-    for report in reports:
-        assert report is not None
+    for report in both_reports("distributed-sampler", tmp_path):
         assert report["orders"] == report["expected"]
         assert report["orders"][0] != report["orders"][1]
 
@@ -356,10 +350,7 @@ def test_ranks_with_different_device_counts_are_refused(tmp_path: Path) -> None:
 def test_a_failure_in_a_second_fit_is_announced_like_the_first(tmp_path: Path) -> None:
     # Both ranks catch the first WorkerFailedError and fit again; rank 1 fails again, and rank
     # 0 must hear of that failure, not of a lost rank (or hang) when rank 1 goes away.
-    reports, codes, _ = launch("raise-twice", tmp_path, timeout=60)
-    assert codes == [0, 0]
-    for report in reports:
-        assert report is not None
+    for report in both_reports("raise-twice", tmp_path, timeout=60):
         assert report["errors"] == [(1, "injected failure on rank 1")] * 2
 
 
