@@ -257,7 +257,7 @@ class DistributedSteps(Steps):
         the step is taken here as on every rank, and the caller raises it once it is counted.
         """
         self._cancelled_in_step = None
-        if self._fusable(window) and self.step_timeout is None:
+        if len(self.devices) == 1 and self._fusable(window) and self.step_timeout is None:
             return await self._distributed_fused_step(window, epoch)
         await self._forward_backward(window, epoch)
         return await self._distributed_optimizer_step(window)

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import functools
 import math
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,9 @@ __all__ = [
     "ExchangeWork",
     "FusedWork",
     "Jobs",
+    "Meeting",
     "NonFiniteLoss",
+    "PeerLeft",
     "Sums",
     "TrainWork",
     "exchange_gradients",
@@ -85,14 +88,47 @@ class ApplyWork:
     unused: tuple[int, ...]  # parameters no device used in this step
 
 
+class PeerLeft(Exception):
+    """Raised at a :class:`Meeting` in a device's job when another device's job failed."""
+
+
+class Meeting:
+    """Where the jobs of one step on several devices wait for each other between its phases
+    (a ``threading.Barrier``) and pass on what the next phase needs: the devices' squared
+    norms. A job that fails calls :meth:`leave`, and every job waiting or yet to come raises
+    :class:`PeerLeft` instead of waiting for it."""
+
+    def __init__(self, parties: int) -> None:
+        self._barrier = threading.Barrier(parties)
+        self._norms = [0.0] * parties
+
+    def wait(self) -> None:
+        try:
+            self._barrier.wait()
+        except threading.BrokenBarrierError:
+            raise PeerLeft from None
+
+    def total_norm_sq(self, index: int, norm_sq: float) -> float:
+        """Wait for every device's squared norm; their sum, in device order (as the event
+        loop sums them when the phases run as jobs apart)."""
+        self._norms[index] = norm_sq
+        self.wait()
+        return sum(self._norms)
+
+    def leave(self) -> None:
+        self._barrier.abort()
+
+
 @dataclass(frozen=True)
 class FusedWork:
-    """One device's whole optimizer step in one job (a single device: nothing to reduce)."""
+    """One device's whole optimizer step in one job: forward, backward, the reduce and the
+    optimizer step. With several devices their jobs meet between the phases (``meeting``)."""
 
     train: TrainWork  # the window's last forward and backward
     scale: float  # applied to the gradients before the step (accumulation)
     clip: float | None  # gradient_clip_val
     apply: ApplyWork  # its coefficient and unused parameters are worked out in the job
+    meeting: Meeting | None = None  # None for a single device
 
 
 @dataclass(frozen=True)
@@ -201,24 +237,48 @@ class Jobs:
                     mine.copy_(first, non_blocking=True)
         return replica.lr()
 
-    def train_and_step(self, ctx: WorkerContext, work: FusedWork) -> tuple[Sums, float | None]:
-        """Forward, backward and the optimizer step in one job: one hand-off per step."""
-        sums = self.train(ctx, work.train)
-        replica = self.replicas[ctx.device.index]
+    def train_and_step(
+        self, ctx: WorkerContext, work: FusedWork
+    ) -> tuple[Sums, float | None] | None:
+        """Forward, backward, the reduce and the optimizer step in one job: one hand-off per
+        step. With several devices, the jobs meet once every device's gradients are in (then
+        each reduces its chunk) and once every chunk is reduced (then each gathers and steps).
+
+        Returns ``None`` if another device's job failed before the step: that one reports.
+        A failure is tagged with its phase (``_asyncddp_phase``) for the trainer.
+        """
+        meeting = work.meeting
+        index = ctx.device.index
+        replica = self.replicas[index]
+        phase = "train"
         try:
-            norm_sq, _ = reduce_scatter(
-                [replica.grads], 0, work.scale, want_norm=work.clip is not None
-            )
+            sums = self.train(ctx, work.train)
+            phase = "reduce"
+            if meeting is None:
+                grads, own, used = [replica.grads], 0, replica.used
+            else:
+                meeting.wait()  # every device's gradients are in
+                grads, own = [r.grads for r in self.replicas], index
+                used = [any(flags) for flags in zip(*(r.used for r in self.replicas), strict=True)]
+            want_norm = work.clip is not None
+            norm_sq, _ = reduce_scatter(grads, own, work.scale, want_norm=want_norm)
+            if meeting is not None:
+                norm_sq = meeting.total_norm_sq(index, norm_sq)  # and every chunk is reduced
             coefficient = 1.0
             if work.clip is not None:
                 coefficient = clip_coefficient(math.sqrt(norm_sq), work.clip)
-            unused = tuple(i for i, used in enumerate(replica.used) if not used)
+            unused = tuple(i for i, flag in enumerate(used) if not flag)
+            phase = "optimizer"
             lr = self.apply(
                 ctx, dataclasses.replace(work.apply, coefficient=coefficient, unused=unused)
             )
+        except PeerLeft:
+            return None
         except BaseException as exc:
+            if meeting is not None:
+                meeting.leave()
             with contextlib.suppress(Exception):  # tells the trainer which phase failed
-                exc._asyncddp_phase = "optimizer"  # type: ignore[attr-defined]
+                exc._asyncddp_phase = phase  # type: ignore[attr-defined]
             raise
         return sums, lr
 

@@ -369,6 +369,7 @@ class StepScheduler:
         epoch: int | None = None,
         phase: str | None = "train",
         shield: bool = False,
+        on_cancel: Callable[[], None] | None = None,
     ) -> StepResult[T]:
         """Run ``fn(ctx, shard)`` on every device's worker, one shard per device.
 
@@ -387,6 +388,11 @@ class StepScheduler:
             shield: Run every job of the step to its end, whatever happens: no job is dropped
                 after a failure or a cancellation (``step_timeout`` still applies). For steps
                 that must happen on every device or on none, such as an optimizer step.
+            on_cancel: Called on the event loop when the step is given up (a job failed, the
+                call was cancelled, or a job timed out), once the jobs not yet started are
+                dropped and before the running ones are awaited: for jobs that wait for each
+                other, which it must release (a ``threading.Barrier``'s ``abort``, say). It
+                must not block or raise. Not called with ``shield=True``.
 
         Returns:
             The outputs in device order, the item counts and the progress so far.
@@ -427,6 +433,8 @@ class StepScheduler:
                 settled = await self._wait_settled(state, waker, deadline)
             except BaseException:
                 state.cancel()
+                if on_cancel is not None:
+                    on_cancel()
                 await self._drain(state, waker)
                 state.forget_jobs()
                 del state, shards, fn
@@ -434,10 +442,14 @@ class StepScheduler:
         timeout = None if settled else self._timeout_error(state, number, epoch, phase)
         error: BaseException | None = None
         if timeout is not None:
+            if on_cancel is not None and not shield:
+                on_cancel()
             error = timeout
         elif state.failures:
             if not shield:
                 state.cancel()
+                if on_cancel is not None:
+                    on_cancel()
                 cancellation = await self._drain(state, waker)
             error = self._failure_error(state, number, epoch, phase)
             if cancellation is not None and isinstance(error, Exception):
@@ -458,7 +470,7 @@ class StepScheduler:
         finally:
             # The traceback holds this frame: break the error -> frame -> error cycle, and
             # let the shards and outputs go while the caller holds the error.
-            del error, state, shards, fn, cancellation
+            del error, state, shards, fn, cancellation, on_cancel
 
     def _dispatch(
         self,

@@ -7,6 +7,7 @@ import statistics
 import threading
 import time
 import weakref
+from typing import Any
 
 import anyio
 import pytest
@@ -598,3 +599,61 @@ async def test_cpu_workers_share_the_callers_threads() -> None:
     assert torch.get_num_threads() == total  # the caller's own setting is untouched
     with pytest.raises(ValueError, match="threads_per_worker"):
         StepScheduler(cpu_devices(1), threads_per_worker=0)
+
+
+def meeting_job(barrier: threading.Barrier, released: list[int]) -> Any:
+    """A job that waits for every device's job at ``barrier``; notes the devices let go."""
+
+    def job(ctx: WorkerContext, shard: None) -> None:
+        try:
+            barrier.wait(timeout=30)
+        except threading.BrokenBarrierError:
+            released.append(ctx.device.index)
+
+    return job
+
+
+async def test_on_cancel_releases_jobs_waiting_for_a_dropped_one(release: threading.Event) -> None:
+    # cpu#1 hangs in step 0, so its job of step 1 stays queued; cpu#0's job of step 1 waits
+    # for it at a barrier. Cancelling step 1 drops the queued job: on_cancel must release the
+    # waiting one, or the cancellation waits for it (drain_timeout) and the thread is stuck.
+    barrier, released = threading.Barrier(2), []
+    async with StepScheduler(cpu_devices(2), step_timeout=0.2, drain_timeout=20) as scheduler:
+        with pytest.raises(WorkerTimeoutError):
+            await scheduler.run(hang_on(lambda c, s: None, device=1, release=release), [0, 0])
+        started = time.monotonic()
+        with anyio.move_on_after(0.2) as scope:
+            await scheduler.run(
+                meeting_job(barrier, released), [None, None], on_cancel=barrier.abort
+            )
+        assert scope.cancelled_caught
+        assert time.monotonic() - started < 5
+        assert released == [0]
+        release.set()
+        result = await scheduler.run(lambda ctx, shard: ctx.device.index, [None, None])
+    assert result.outputs == (0, 1)
+
+
+async def test_on_cancel_releases_jobs_waiting_for_a_failed_one() -> None:
+    barrier, released = threading.Barrier(3), []
+    meeting = meeting_job(barrier, released)
+
+    def fail_on_cpu1(ctx: WorkerContext, shard: None) -> None:
+        if ctx.device.index == 1:
+            raise RuntimeError("failed before the meeting")
+        meeting(ctx, shard)
+
+    async with StepScheduler(cpu_devices(3), drain_timeout=20) as scheduler:
+        started = time.monotonic()
+        with pytest.raises(WorkerFailedError) as info:
+            await scheduler.run(fail_on_cpu1, [None] * 3, on_cancel=barrier.abort)
+        assert time.monotonic() - started < 5
+    assert info.value.device.name == "cpu#1"
+    assert sorted(released) == [0, 2]
+
+
+async def test_on_cancel_is_not_called_for_a_step_that_succeeds() -> None:
+    calls: list[None] = []
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        await scheduler.run(where, [None, None], on_cancel=lambda: calls.append(None))
+    assert calls == []

@@ -1268,6 +1268,67 @@ class SlowSGD(torch.optim.SGD):
         return result
 
 
+async def test_several_devices_without_atomic_steps_count_a_step_cancelled_after_its_update() -> (
+    None
+):
+    # On several devices the window's last micro-step and the optimizer step are one job a
+    # device: once every device has stepped, the cancellation cannot undo it (no backup), so
+    # the step counts and training goes on from there.
+    SlowSGD.updated.clear()
+    batches = make_batches([4, 4])
+    trainer = Trainer(
+        make_model(),
+        functools.partial(SlowSGD, lr=0.1),
+        loss_step,
+        devices=cpu_devices(2),
+        atomic_steps=False,
+        progress_bar=False,
+    )
+    async with anyio.create_task_group() as group:
+        group.start_soon(lambda: trainer.fit(batches, epochs=1))  # type: ignore[arg-type,return-value]
+        while not SlowSGD.updated.is_set():  # noqa: ASYNC110 (a worker thread sets it)
+            await anyio.sleep(0.01)
+        group.cancel_scope.cancel()
+    assert trainer.global_step == 1
+    assert_replicas_identical(trainer)
+    await trainer.fit(batches, epochs=1)
+    assert trainer.global_step == 2
+    assert_close(trainer.model, reference(batches, 1, functools.partial(torch.optim.SGD, lr=0.1)))
+
+
+@pytest.mark.parametrize("step_timeout", [None, 30.0])
+async def test_a_step_on_several_devices_is_one_job_a_device_without_a_step_timeout(
+    monkeypatch: pytest.MonkeyPatch, step_timeout: float | None
+) -> None:
+    # One hand-off a step: forward, backward, reduce and optimizer step in one job a device,
+    # meeting between the phases. A step_timeout bounds each phase's job on its own.
+    phases: list[str | None] = []
+    run = asyncddp.StepScheduler.run
+
+    async def recording(self: Any, fn: Any, shards: Any, **kwargs: Any) -> Any:
+        phases.append(kwargs.get("phase"))
+        return await run(self, fn, shards, **kwargs)
+
+    monkeypatch.setattr(asyncddp.StepScheduler, "run", recording)
+    batches = make_batches([6, 9, 7])
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(3),
+        step_timeout=step_timeout,
+        gradient_clip_val=0.5,
+        progress_bar=False,
+    )
+    await trainer.fit(batches, epochs=1)
+    steps = [phase for phase in phases if phase in ("train", "reduce", "optimizer")]
+    if step_timeout is None:
+        assert steps == ["train"] * 3
+    else:
+        assert steps == ["train", "reduce", "optimizer"] * 3
+    assert_close(trainer.model, reference(batches, 1, SGD, clip=0.5))
+
+
 async def test_one_device_without_atomic_steps_cancelled_after_its_update_is_refused_again() -> (
     None
 ):
