@@ -311,7 +311,7 @@ class Steps:
         meeting, as it drops those not started yet: none steps unless every one does. A step
         that every device took before a cancellation came is undone from its backup, as any
         cancelled step; without ``atomic_steps`` there is none, so the step counts, and the
-        cancellation goes on right after it.
+        cancellation goes on right after it (as across ranks).
         """
         n = len(self.devices)
         shards = self._shards(window.batches[window.done])
@@ -355,7 +355,7 @@ class Steps:
                 on_cancel=meeting.leave if meeting is not None else None,
             )
         except BaseException as error:
-            taken = meeting is not None and all(outcome is not None for outcome in outcomes)
+            taken = all(outcome is not None for outcome in outcomes)
             if taken and not self.atomic_steps and not isinstance(error, Exception):
                 # Cancelled once every device stepped, with no backup to undo the step from:
                 # it counts, and the cancellation goes on right after.
