@@ -262,6 +262,16 @@ class Jobs:
                 used = [any(flags) for flags in zip(*(r.used for r in self.replicas), strict=True)]
             want_norm = work.clip is not None
             norm_sq, _ = reduce_scatter(grads, own, work.scale, want_norm=want_norm)
+            apply = work.apply
+            if meeting is not None and apply.atomic and self._backup_in_parts():
+                phase = "optimizer"
+                # Every replica is as the others before the step: each backs up its part, and
+                # a restore takes each part from its peer (one copy between them, not one each).
+                peers = [r.backup for r in self.replicas]
+                replica.backup.capture(
+                    replica.params, replica.optimizer, replica.scheduler, peers=peers
+                )
+                apply = dataclasses.replace(apply, atomic=False)  # backed up
             if meeting is not None:
                 norm_sq = meeting.total_norm_sq(index, norm_sq)  # and every chunk is reduced
             coefficient = 1.0
@@ -269,9 +279,7 @@ class Jobs:
                 coefficient = clip_coefficient(math.sqrt(norm_sq), work.clip)
             unused = tuple(i for i, flag in enumerate(used) if not flag)
             phase = "optimizer"
-            lr = self.apply(
-                ctx, dataclasses.replace(work.apply, coefficient=coefficient, unused=unused)
-            )
+            lr = self.apply(ctx, dataclasses.replace(apply, coefficient=coefficient, unused=unused))
         except PeerLeft:
             return None
         except BaseException as exc:
@@ -311,6 +319,12 @@ class Jobs:
                 exc._asyncddp_phase = "optimizer"  # type: ignore[attr-defined]
             raise
         return result, lr
+
+    def _backup_in_parts(self) -> bool:
+        """Whether the replicas of a fused step back up in parts: on CPU workers, where every
+        backup is in the same memory. On GPUs a restore would copy across devices, a path no
+        test has run."""
+        return all(replica.device.type == "cpu" for replica in self.replicas)
 
     def abandon(self, ctx: WorkerContext, apply_id: int | None) -> None:
         """Undo an unfinished step: its optimizer step (if taken), its forwards, its gradients."""

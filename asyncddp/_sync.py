@@ -287,23 +287,69 @@ class _Copy:
                         state[key] = value
 
 
+def _fits(buffer: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``buffer`` can hold a copy of ``value``."""
+    return (
+        buffer.shape == value.shape
+        and buffer.dtype == value.dtype
+        and buffer.device == value.device
+    )
+
+
+def _copy_part(
+    targets: Sequence[torch.Tensor],
+    sources: Sequence[torch.Tensor],
+    part: tuple[int, int],
+    live: Sequence[torch.Tensor],
+) -> None:
+    """Copy part ``index`` of ``parts`` of ``sources`` into ``targets``: near-equal slices of
+    all their elements, taken end to end. A tensor whose ``live`` one (the replica's, on
+    either side) is not contiguous has no flat slices: it goes whole, with the part that holds
+    its first element."""
+    index, parts = part
+    total = sum(t.numel() for t in targets)
+    start, stop = chunk_bounds(total, parts, index)
+    into, froms = [], []
+    offset = 0
+    for target, source, tensor in zip(targets, sources, live, strict=True):
+        size = target.numel()
+        if not tensor.is_contiguous():
+            if start <= offset < stop:
+                into.append(target)
+                froms.append(source)
+        else:
+            low, high = max(start, offset), min(stop, offset + size)
+            if low < high:
+                into.append(target.view(-1)[low - offset : high - offset])
+                froms.append(source.view(-1)[low - offset : high - offset])
+        offset += size
+    if into:
+        torch._foreach_copy_(into, froms)
+
+
 def _copy_tensors(
     params: Sequence[torch.Tensor],
     optimizer: torch.optim.Optimizer,
     reuse: _Copy | None,
     *,
     track: bool = False,
+    part: tuple[int, int] | None = None,
 ) -> _Copy:
     """Copy ``params`` and the optimizer's state for them, into ``reuse``'s buffers where they
     fit (so that after the first step a copy allocates nothing). With ``track``, keep each
     source and its version counter as it was before the copy (a copy made ahead); otherwise
-    keep no reference to them (a replaced optimizer state must be let go)."""
+    keep no reference to them (a replaced optimizer state must be let go). With ``part``
+    (index, parts), copy only that part of the tensors' elements (:func:`_copy_part`): the
+    buffers are whole, the rest of them stale."""
     sources = [(p, p._version) for p in params] if track else []
+    targets: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
     if reuse is None or len(reuse.params) != len(params):
-        saved_params = [p.detach().clone() for p in params]
+        saved_params = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
     else:
         saved_params = reuse.params
-        torch._foreach_copy_(saved_params, [p.detach() for p in params])
+    targets.extend(saved_params)
+    values.extend(p.detach() for p in params)
     states: list[dict[str, Any] | None] = []
     for i, param in enumerate(params):
         state = optimizer.state.get(param)
@@ -317,20 +363,28 @@ def _copy_tensors(
                 if track:
                     sources.append((value, value._version))
                 buffer = previous.get(key) if previous else None
-                if (
-                    isinstance(buffer, torch.Tensor)
-                    and buffer.shape == value.shape
-                    and buffer.dtype == value.dtype
-                    and buffer.device == value.device
-                ):
-                    buffer.copy_(value)
-                    copy[key] = buffer
-                else:
-                    copy[key] = value.detach().clone()
+                if not isinstance(buffer, torch.Tensor) or not _fits(buffer, value):
+                    buffer = torch.empty_like(value, memory_format=torch.contiguous_format)
+                targets.append(buffer)
+                values.append(value.detach())
+                copy[key] = buffer
             else:
                 copy[key] = value
         states.append(copy)
+    if part is None:
+        torch._foreach_copy_(targets, values)
+    else:
+        _copy_part(targets, values, part, values)
     return _Copy(saved_params, states, sources)
+
+
+def _saved_tensors(copy: _Copy) -> list[torch.Tensor]:
+    """A copy's tensors in the order :func:`_copy_tensors` copied them."""
+    tensors = list(copy.params)
+    for state in copy.state:
+        if state is not None:
+            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return tensors
 
 
 @dataclass
@@ -338,6 +392,8 @@ class _Saved:
     tensors: _Copy
     groups: list[dict[str, Any]]
     scheduler: dict[str, Any] | None
+    # A capture in parts (see StepBackup.capture): every part's backup, this one's included.
+    peers: Sequence[StepBackup] = ()
 
 
 class StepBackup:
@@ -380,14 +436,27 @@ class StepBackup:
         params: Sequence[torch.Tensor],
         optimizer: torch.optim.Optimizer,
         scheduler: Any | None,
+        *,
+        peers: Sequence[StepBackup] = (),
     ) -> None:
+        """Back up ``params``, the optimizer's state for them, its hyperparameters and the LR
+        scheduler's state.
+
+        With ``peers`` (the backups of every replica of a step, this one among them, at its
+        index), each replica copies only its part of the tensors' elements, and a restore
+        takes each part from its peer: for replicas that are identical before the step, one
+        copy between them instead of one each. Every peer must capture before any replica
+        steps (the trainer's replicas meet in between), and only whole captures are restored
+        from alone.
+        """
         ahead, self._ahead = self._ahead, None
         old = self._saved.tensors if self._saved is not None else None
-        if ahead is not None and ahead.still_current(params, optimizer):
+        part = (list(map(id, peers)).index(id(self)), len(peers)) if peers else None
+        if ahead is not None and part is None and ahead.still_current(params, optimizer):
             ahead.refresh(params, optimizer)
             tensors, self._spare = ahead, old
         else:
-            tensors = _copy_tensors(params, optimizer, old)
+            tensors = _copy_tensors(params, optimizer, old, part=part)
             self._spare = ahead or self._spare
         tensors.sources = []  # from here on only restored from, never checked
         if self._spare is not None:
@@ -396,7 +465,7 @@ class StepBackup:
             {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
         ]
         self._saved = _Saved(
-            tensors, groups, scheduler.state_dict() if scheduler is not None else None
+            tensors, groups, scheduler.state_dict() if scheduler is not None else None, peers
         )
 
     def restore(
@@ -409,8 +478,7 @@ class StepBackup:
         if saved is None:
             return
         self.forget_ahead()
-        with torch.no_grad():
-            torch._foreach_copy_([p.detach() for p in params], saved.tensors.params)
+        targets = [p.detach() for p in params]
         for param, state in zip(params, saved.tensors.state, strict=True):
             if state is None:
                 optimizer.state.pop(param, None)
@@ -420,10 +488,20 @@ class StepBackup:
                 if key not in state:
                     del live[key]
             for key, value in state.items():
-                if isinstance(value, torch.Tensor) and isinstance(live.get(key), torch.Tensor):
-                    live[key].copy_(value)
-                else:
-                    live[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                if not isinstance(value, torch.Tensor):
+                    live[key] = value
+                    continue
+                target = live.get(key)
+                if not isinstance(target, torch.Tensor) or not _fits(target, value):
+                    live[key] = target = torch.empty_like(value)
+                targets.append(target)
+        with torch.no_grad():
+            if not saved.peers:
+                torch._foreach_copy_(targets, _saved_tensors(saved.tensors))
+            for index, peer in enumerate(saved.peers):  # each part from the peer that has it
+                assert peer._saved is not None, "a backup in parts restored before its capture"
+                sources = _saved_tensors(peer._saved.tensors)
+                _copy_part(targets, sources, (index, len(saved.peers)), targets)
         for group, hyper in zip(optimizer.param_groups, saved.groups, strict=True):
             group.update(hyper)
         if scheduler is not None and saved.scheduler is not None:

@@ -637,8 +637,10 @@ async def test_on_cancel_releases_jobs_waiting_for_a_dropped_one(release: thread
 async def test_on_cancel_releases_jobs_waiting_for_a_failed_one() -> None:
     barrier, released = threading.Barrier(3), []
     meeting = meeting_job(barrier, released)
+    running = threading.Barrier(3, timeout=10)  # no job is dropped as not yet started
 
     def fail_on_cpu1(ctx: WorkerContext, shard: None) -> None:
+        running.wait()
         if ctx.device.index == 1:
             raise RuntimeError("failed before the meeting")
         meeting(ctx, shard)

@@ -163,3 +163,109 @@ def test_all_finite_over_dtypes_and_empty_tensors(bad: float | None, finite: boo
         last[1] = bad
     tensors = [torch.empty(0), torch.ones(2, dtype=torch.float64), last]
     assert all_finite(tensors) is finite
+
+
+class Odd(nn.Module):
+    """Parameters of every shape a backup in parts has to cut: a matrix, a vector, a scalar,
+    and one that is not contiguous (no flat slices: it goes whole)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(5, 4))
+        self.bias = nn.Parameter(torch.randn(5))
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.transposed = nn.Parameter(torch.randn(4, 3).t())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x @ self.weight.t() + self.bias) * self.scale)[:, :3] @ self.transposed
+
+
+def replicas(parts: int, *, stepped: bool) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+    """``parts`` identical replicas with AdamW (a step count and two moments a parameter)."""
+    made = []
+    for _ in range(parts):
+        torch.manual_seed(0)
+        model = Odd()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        if stepped:
+            torch.manual_seed(1)
+            optimizer.zero_grad()
+            model(torch.randn(6, 4)).square().sum().backward()
+            optimizer.step()
+        made.append((model, optimizer))
+    return made
+
+
+def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "state": {
+            i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for i, s in enumerate(optimizer.state.values())
+        },
+    }
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert len(got["params"]) == len(want["params"])
+    for a, b in zip(got["params"], want["params"], strict=True):
+        assert torch.equal(a, b)
+    assert got["state"].keys() == want["state"].keys()
+    for i, state in want["state"].items():
+        assert got["state"][i].keys() == state.keys()
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(got["state"][i][key]), torch.as_tensor(value))
+
+
+@pytest.mark.parametrize("parts", [2, 3, 40])
+@pytest.mark.parametrize("stepped", [True, False], ids=["with-state", "first-step"])
+def test_a_backup_in_parts_restores_every_replica_whole(parts: int, stepped: bool) -> None:
+    # Each replica copies only its part of the elements (40 parts: more than some tensors
+    # hold, so some parts are empty); each restore takes every part from its peer.
+    group = replicas(parts, stepped=stepped)
+    before = snapshot(*group[0])
+    backups = [StepBackup() for _ in group]
+    for backup, (model, optimizer) in zip(backups, group, strict=True):
+        backup.capture(list(model.parameters()), optimizer, None, peers=backups)
+    for seed, (model, optimizer) in enumerate(group):  # every replica steps differently
+        torch.manual_seed(10 + seed)
+        optimizer.zero_grad()
+        model(torch.randn(6, 4)).square().sum().backward()
+        optimizer.step()
+    for backup, (model, optimizer) in zip(backups, group, strict=True):
+        backup.restore(list(model.parameters()), optimizer, None)
+        assert_same(snapshot(model, optimizer), before)
+    assert not group[0][0].transposed.is_contiguous()
+
+
+def test_a_backup_in_parts_copies_only_its_part() -> None:
+    # A whole capture first fills the buffers; after every tensor changes, a capture in parts
+    # writes only this replica's share of the elements: the rest still holds the old values.
+    model, optimizer = replicas(1, stepped=True)[0]
+    backups = [StepBackup(), StepBackup()]
+    params = list(model.parameters())
+
+    def flat() -> torch.Tensor:
+        live = [p.detach() for p in params]
+        for state in optimizer.state.values():
+            live.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+        return torch.cat([t.reshape(-1) for t in live])
+
+    def saved() -> torch.Tensor:
+        assert backups[1]._saved is not None
+        tensors = _sync._saved_tensors(backups[1]._saved.tensors)
+        return torch.cat([t.reshape(-1) for t in tensors])
+
+    backups[1].capture(params, optimizer, None)
+    old = flat()
+    with torch.no_grad():
+        for tensor in [*params, *(v for s in optimizer.state.values() for v in s.values())]:
+            tensor.add_(1)
+    backups[1].capture(params, optimizer, None, peers=backups)
+    new, got = flat(), saved()
+    start, stop = _sync.chunk_bounds(new.numel(), 2, 1)
+    assert torch.equal(got[start:stop], new[start:stop])
+    # Part 0's elements are not copied, but the non-contiguous parameter (whole, in part 0,
+    # which holds its first element) is, as a whole, by part 0 only.
+    assert torch.equal(got[:start], old[:start])
+    assert torch.equal(got[stop:], old[stop:])

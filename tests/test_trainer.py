@@ -1004,12 +1004,12 @@ async def test_a_failure_before_the_backup_is_taken_does_not_roll_that_replica_b
     original = _sync.StepBackup.capture
     calls = {"n": 0}
 
-    def out_of_memory_once(self: Any, *args: Any) -> None:
+    def out_of_memory_once(self: Any, *args: Any, **kwargs: Any) -> None:
         if threading.current_thread().name.endswith("#1]"):
             calls["n"] += 1
             if calls["n"] == 3:
                 raise MemoryError("out of memory while taking the backup")
-        original(self, *args)
+        original(self, *args, **kwargs)
 
     monkeypatch.setattr(_sync.StepBackup, "capture", out_of_memory_once)
     trainer = Trainer(
