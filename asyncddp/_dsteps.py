@@ -33,7 +33,7 @@ from ._exceptions import ConfigurationError, WorkerFailedError
 from ._jobs import ApplyWork, ExchangeWork, Sums, TrainWork, exchange_gradients
 from ._loop import current_waker
 from ._ranks import rank_view
-from ._steps import Steps, Window, shard_items
+from ._steps import Steps, Window, phase_from_jobs, shard_items
 from ._sync import bucket_layout
 from ._worker import WorkerContext
 
@@ -317,8 +317,7 @@ class DistributedSteps(Steps):
                 result_global, lr = done[0]
                 self._cancelled_in_step = error
             else:
-                if isinstance(error, WorkerFailedError):
-                    error.phase = getattr(error.__cause__, "_asyncddp_phase", error.phase)
+                phase_from_jobs(error)
                 stepped = self._replicas[0].stepped_at == self._apply_id
                 undone = not await self._abandon(self._apply_id)
                 if not undone or (not self.atomic_steps and stepped):

@@ -93,30 +93,53 @@ class PeerLeft(Exception):
 
 
 class Meeting:
-    """Where the jobs of one step on several devices wait for each other between its phases
-    (a ``threading.Barrier``) and pass on what the next phase needs: the devices' squared
-    norms. A job that fails calls :meth:`leave`, and every job waiting or yet to come raises
-    :class:`PeerLeft` instead of waiting for it."""
+    """Where the jobs of one step on several devices wait for each other between its phases,
+    and pass on what the next phase needs: the devices' squared norms.
+
+    A job that fails calls :meth:`leave`: every job waiting in a round not yet complete, or
+    coming to a later one, raises :class:`PeerLeft` instead of waiting for it. A round that
+    is complete stays so (unlike ``threading.Barrier.abort``, which also breaks the parties a
+    last arrival has released but that have not woken yet): once every job has passed the last
+    meeting, every one steps.
+    """
 
     def __init__(self, parties: int) -> None:
-        self._barrier = threading.Barrier(parties)
+        self._parties = parties
+        self._ready = threading.Condition()
+        self._arrived = 0
+        self._round = 0
+        self._left = False
         self._norms = [0.0] * parties
 
-    def wait(self) -> None:
-        try:
-            self._barrier.wait()
-        except threading.BrokenBarrierError:
-            raise PeerLeft from None
+    def wait(self, ctx: WorkerContext) -> None:
+        """Wait for every job, once this device's work so far is done (its stream's too: the
+        others read what it wrote, on streams of their own)."""
+        if ctx.stream is not None:
+            ctx.stream.synchronize()
+        with self._ready:
+            if self._left:
+                raise PeerLeft
+            this = self._round
+            self._arrived += 1
+            if self._arrived == self._parties:
+                self._arrived, self._round = 0, this + 1
+                self._ready.notify_all()
+                return
+            self._ready.wait_for(lambda: self._round != this or self._left)
+            if self._round == this:
+                raise PeerLeft
 
-    def total_norm_sq(self, index: int, norm_sq: float) -> float:
+    def total_norm_sq(self, ctx: WorkerContext, norm_sq: float) -> float:
         """Wait for every device's squared norm; their sum, in device order (as the event
         loop sums them when the phases run as jobs apart)."""
-        self._norms[index] = norm_sq
-        self.wait()
+        self._norms[ctx.device.index] = norm_sq
+        self.wait(ctx)
         return sum(self._norms)
 
     def leave(self) -> None:
-        self._barrier.abort()
+        with self._ready:
+            self._left = True
+            self._ready.notify_all()
 
 
 @dataclass(frozen=True)
@@ -257,7 +280,7 @@ class Jobs:
             if meeting is None:
                 grads, own, used = [replica.grads], 0, replica.used
             else:
-                meeting.wait()  # every device's gradients are in
+                meeting.wait(ctx)  # every device's gradients are in
                 grads, own = [r.grads for r in self.replicas], index
                 used = [any(flags) for flags in zip(*(r.used for r in self.replicas), strict=True)]
             want_norm = work.clip is not None
@@ -273,7 +296,7 @@ class Jobs:
                 )
                 apply = dataclasses.replace(apply, atomic=False)  # backed up
             if meeting is not None:
-                norm_sq = meeting.total_norm_sq(index, norm_sq)  # and every chunk is reduced
+                norm_sq = meeting.total_norm_sq(ctx, norm_sq)  # and every chunk is reduced
             coefficient = 1.0
             if work.clip is not None:
                 coefficient = clip_coefficient(math.sqrt(norm_sq), work.clip)

@@ -77,6 +77,15 @@ def shard_items(shard: Any) -> int:
     return 0 if shard is None else items_in(shard)
 
 
+def phase_from_jobs(error: BaseException) -> None:
+    """Name the phase each failure of a job that runs several phases happened in (the job
+    tags its exception: ``_asyncddp_phase``), rather than the job's."""
+    if isinstance(error, WorkerFailedError):
+        for failure in (error, *error.other_failures):
+            failure.phase = getattr(failure.__cause__, "_asyncddp_phase", failure.phase)
+        error.args = (str(error),)
+
+
 def error_in_optimizer(error: BaseException) -> bool:
     return isinstance(error, WorkerFailedError) and error.phase == "optimizer"
 
@@ -307,11 +316,11 @@ class Steps:
     async def _fused_step(self, window: Window, epoch: int) -> float | None:
         """The window's last micro-step and the optimizer step, as one job a device.
 
-        On several devices, a failure or a cancellation releases the jobs waiting at the
-        meeting, as it drops those not started yet: none steps unless every one does. A step
-        that every device took before a cancellation came is undone from its backup, as any
-        cancelled step; without ``atomic_steps`` there is none, so the step counts, and the
-        cancellation goes on right after it (as across ranks).
+        On several devices, a failure or a cancellation releases the jobs waiting at a
+        meeting, as it drops those not started yet: none steps unless every one passed the
+        last meeting, and then every one does. A step that every device took before a
+        cancellation came counts, and the cancellation goes on right after it (as across
+        ranks); one that failed on a device is undone on every device.
         """
         n = len(self.devices)
         shards = self._shards(window.batches[window.done])
@@ -355,14 +364,14 @@ class Steps:
                 on_cancel=meeting.leave if meeting is not None else None,
             )
         except BaseException as error:
-            taken = all(outcome is not None for outcome in outcomes)
-            if taken and not self.atomic_steps and not isinstance(error, Exception):
-                # Cancelled once every device stepped, with no backup to undo the step from:
-                # it counts, and the cancellation goes on right after.
+            if all(outcome is not None for outcome in outcomes) and not isinstance(
+                error, Exception
+            ):
+                # Cancelled once every device had stepped: the step counts, and the
+                # cancellation goes on right after it.
                 self._cancelled_in_step = error
             else:
-                if isinstance(error, WorkerFailedError):
-                    error.phase = getattr(error.__cause__, "_asyncddp_phase", error.phase)
+                phase_from_jobs(error)
                 # The optimizer step may have been taken: undo it (shielded), then go on.
                 # Without a backup a step that was taken (failed half way, or done before a
                 # cancellation) cannot be undone.
@@ -411,16 +420,28 @@ class Steps:
             i for i in range(len(self._replicas[0].params)) if not window.sums.used >> i & 1
         )
         work = self._apply_work(coefficient, unused)
+        stepped: list[float | None] = []  # the replicas that stepped, even if cancelled
+
+        def apply(ctx: WorkerContext, work: ApplyWork) -> float | None:
+            lr = jobs.apply(ctx, work)
+            stepped.append(lr)
+            return lr
+
         try:
-            applied = await self._run_all(jobs.apply, work, phase="optimizer", shield=True)
-        except BaseException:
-            # Some replicas may have stepped: undo the step everywhere (shielded, so that it
-            # happens even while the fit is being cancelled), then let the error go on.
-            if not self.atomic_steps or await self._abandon(self._apply_id):
-                self._consistent = False
-            raise
+            applied = await self._run_all(apply, work, phase="optimizer", shield=True)
+            lr: float | None = applied.outputs[0]
+        except BaseException as error:
+            if len(stepped) < len(self.devices) or isinstance(error, Exception):
+                # Some replicas may have stepped: undo the step everywhere (shielded, so that
+                # it happens even while the fit is being cancelled), then let the error go on.
+                if not self.atomic_steps or await self._abandon(self._apply_id):
+                    self._consistent = False
+                raise
+            # Cancelled once every device had stepped: the step counts, and the cancellation
+            # goes on right after it.
+            self._cancelled_in_step = error
+            lr = self._replicas[0].lr()
         self._window_open = False
-        lr: float | None = applied.outputs[0]
         return lr
 
     # -- dropping devices ---------------------------------------------------------------------

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -24,9 +25,12 @@ from asyncddp import (
     StepOutputError,
     Trainer,
     ValidationEnded,
+    WorkerContext,
     WorkerFailedError,
     cpu_devices,
 )
+from asyncddp._jobs import Meeting, PeerLeft
+from asyncddp.testing import failing_optimizer
 
 pytestmark = pytest.mark.anyio
 
@@ -971,8 +975,6 @@ async def test_cancelling_during_validation_still_steps_the_epoch_lr_schedule_on
 
     def slow_valid(model: nn.Module, batch: Any) -> torch.Tensor:
         started.set()
-        import time
-
         time.sleep(0.3)
         return loss_step(model, batch)
 
@@ -1149,8 +1151,6 @@ async def test_batchnorm_buffers_are_undone_with_a_cancelled_step() -> None:
         if threading.current_thread().name.endswith("#1]"):
             calls["n"] += 1
             if calls["n"] == 4:
-                import time
-
                 time.sleep(0.4)
         return loss_step(model, batch)
 
@@ -1234,8 +1234,6 @@ async def test_an_optimizer_that_writes_grad_in_place_cannot_race_the_gather(
 ) -> None:
     # SGD with Nesterov momentum and foreach writes .grad in place during step(); a peer still
     # gathering must not read it then. Slow one device's gather down to open the window wide.
-    import time
-
     from asyncddp import _jobs
 
     gather = _jobs.all_gather
@@ -1262,18 +1260,22 @@ class SlowSGD(torch.optim.SGD):
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         result = super().step(closure)
         SlowSGD.updated.set()
-        import time
-
         time.sleep(0.3)
         return result
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-async def test_without_atomic_steps_a_step_cancelled_after_its_update_counts(devices: int) -> None:
-    # The window's last micro-step and the optimizer step are one job a device: once every
-    # device has stepped, a cancellation cannot undo the step (no backup), so it counts and
-    # training goes on from there, as across ranks. (It used to leave one device refusing to
-    # train until a state was loaded.)
+@pytest.mark.parametrize("atomic_steps", [True, False], ids=["atomic", "not-atomic"])
+@pytest.mark.parametrize(
+    ("devices", "step_timeout"),
+    [(1, None), (2, None), (2, 60.0)],
+    ids=["1-device", "2-devices-one-job", "2-devices-phases-apart"],
+)
+async def test_a_step_cancelled_after_every_device_updated_counts(
+    devices: int, step_timeout: float | None, atomic_steps: bool
+) -> None:
+    # Once every device has taken its optimizer step, a cancellation lets the step count, and
+    # training goes on from there (as across ranks): under asyncio and trio, with a backup or
+    # without one, whether the phases run as one job a device or as jobs apart.
     SlowSGD.updated.clear()
     batches = make_batches([4, 4])
     trainer = Trainer(
@@ -1281,7 +1283,8 @@ async def test_without_atomic_steps_a_step_cancelled_after_its_update_counts(dev
         functools.partial(SlowSGD, lr=0.1),
         loss_step,
         devices=cpu_devices(devices),
-        atomic_steps=False,
+        atomic_steps=atomic_steps,
+        step_timeout=step_timeout,
         progress_bar=False,
     )
     async with anyio.create_task_group() as group:
@@ -1294,6 +1297,101 @@ async def test_without_atomic_steps_a_step_cancelled_after_its_update_counts(dev
     await trainer.fit(batches, epochs=1)
     assert trainer.global_step == 2
     assert_close(trainer.model, reference(batches, 1, functools.partial(torch.optim.SGD, lr=0.1)))
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_plain_task_cancel_after_every_device_updated_counts_the_step() -> None:
+    # asyncio's own task.cancel() (not a cancel scope) is delivered through the shielded
+    # optimizer step: the step still counts.
+    SlowSGD.updated.clear()
+    batches = make_batches([4, 4])
+    trainer = Trainer(
+        make_model(),
+        functools.partial(SlowSGD, lr=0.1),
+        loss_step,
+        devices=cpu_devices(2),
+        progress_bar=False,
+    )
+    import asyncio
+
+    task = asyncio.ensure_future(trainer.fit(batches, epochs=1))
+    while not SlowSGD.updated.is_set():  # noqa: ASYNC110 (a worker thread sets it)
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert trainer.global_step == 1
+    assert_replicas_identical(trainer)
+
+
+async def test_failures_in_the_optimizer_step_of_two_devices_both_name_that_phase() -> None:
+    failing = failing_optimizer(failing_optimizer(SGD, device=1, at=1), device=2, at=1)
+    trainer = Trainer(make_model(), failing, loss_step, devices=cpu_devices(3), progress_bar=False)
+    with pytest.raises(WorkerFailedError) as info:
+        await trainer.fit(make_batches([6, 6, 6]), epochs=1)
+    failures = [info.value, *info.value.other_failures]
+    assert sorted(f.device.name for f in failures) == ["cpu#1", "cpu#2"]
+    assert [f.phase for f in failures] == ["optimizer", "optimizer"]
+    assert "phase optimizer" in str(info.value)
+    assert trainer.global_step == 1
+    assert_replicas_identical(trainer)
+
+
+def test_a_meeting_left_after_a_round_is_complete_releases_that_round() -> None:
+    # The last job to arrive completes the round and fails at once: the jobs it released must
+    # go on (they all step), even if they have not woken yet when it leaves.
+    for _ in range(200):
+        meeting = Meeting(3)
+        outcomes: list[str] = []
+        ctx = [WorkerContext(device, None, 0, "train") for device in cpu_devices(3)]
+
+        def wait(
+            i: int,
+            meeting: Meeting = meeting,
+            outcomes: list[str] = outcomes,
+            ctx: list[WorkerContext] = ctx,
+        ) -> None:
+            try:
+                meeting.wait(ctx[i])
+                outcomes.append("passed")
+            except PeerLeft:
+                outcomes.append("left")
+
+        threads = [threading.Thread(target=wait, args=(i,)) for i in (0, 1)]
+        for thread in threads:
+            thread.start()
+        while meeting._arrived < 2:  # both wait in the round
+            time.sleep(0.0001)
+        meeting.wait(ctx[2])  # completes the round...
+        meeting.leave()  # ...and fails right after
+        for thread in threads:
+            thread.join(5)
+        assert outcomes == ["passed", "passed"]
+        with pytest.raises(PeerLeft):  # the next round is broken
+            meeting.wait(ctx[0])
+
+
+def test_a_meeting_left_in_a_round_releases_its_waiters() -> None:
+    meeting = Meeting(3)
+    ctx = [WorkerContext(device, None, 0, "train") for device in cpu_devices(3)]
+    outcomes: list[str] = []
+
+    def wait(i: int) -> None:
+        try:
+            meeting.wait(ctx[i])
+            outcomes.append("passed")
+        except PeerLeft:
+            outcomes.append("left")
+
+    threads = [threading.Thread(target=wait, args=(i,)) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    while meeting._arrived < 2:
+        time.sleep(0.0001)
+    meeting.leave()
+    for thread in threads:
+        thread.join(5)
+    assert outcomes == ["left", "left"]
 
 
 @pytest.mark.parametrize("step_timeout", [None, 30.0])
