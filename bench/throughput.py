@@ -11,6 +11,8 @@ number of CPU threads in all (``torch.get_num_threads()``, all cores by default)
               thread and awaited (a queue and a future, nothing else): the floor of any design
               that keeps the event loop free by training on a thread of its own;
 - asyncddp-1: ``Trainer`` on one device (its worker gets every thread): the overhead target;
+- asyncddp-1-noatomic: the same with ``atomic_steps=False``: no copy of the parameters and
+              optimizer state before each step (a plain loop, Lightning and DDP keep none);
 - asyncddp-N: ``Trainer`` on ``cpu_devices(N)``, the threads shared among the workers;
 - halves-2:   the compute alone of a 2-way data-parallel step: two threads, one intra-op thread
               each, the forward and backward of half the batch each, in step (a barrier a step),
@@ -191,12 +193,18 @@ def halves(make: Callable[[], nn.Module], batches: list[Any]) -> float:
 
 
 async def with_asyncddp(
-    make: Callable[[], nn.Module], batches: list[Any], devices: asyncddp.DeviceSpec
+    make: Callable[[], nn.Module],
+    batches: list[Any],
+    devices: asyncddp.DeviceSpec,
+    *,
+    atomic_steps: bool = True,
 ) -> float:
     """Samples per second; an int is that many CPU workers, anything else a device spec."""
     torch.manual_seed(0)
     spec = asyncddp.cpu_devices(devices) if isinstance(devices, int) else devices
-    trainer = asyncddp.Trainer(make(), SGD, step, devices=spec, progress_bar=False)
+    trainer = asyncddp.Trainer(
+        make(), SGD, step, devices=spec, atomic_steps=atomic_steps, progress_bar=False
+    )
     await trainer.fit(batches[:3], epochs=1)  # warm-up: threads, replicas, first steps
     result = await trainer.fit(batches, epochs=2)
     # The epoch's own time: the loop over the batches, without the session's start and end.
@@ -319,6 +327,8 @@ async def measure(contender: str, workload: str, steps: int) -> float:
         return await handed_off(make, batches)
     if contender == "halves-2":
         return halves(make, batches)
+    if contender == "asyncddp-1-noatomic":
+        return await with_asyncddp(make, batches, 1, atomic_steps=False)
     return await with_asyncddp(make, batches, int(contender.rsplit("-", 1)[1]))
 
 
@@ -347,19 +357,21 @@ async def main() -> None:
             "plain": [],
             "handoff-1": [],
             "asyncddp-1": [],
+            "asyncddp-1-noatomic": [],
             "asyncddp-2": [],
             "halves-2": [],
             "ddp-gloo-2": [],
         }
         for _ in range(args.rounds):
-            for contender in ("plain", "handoff-1", "asyncddp-1", "asyncddp-2", "halves-2"):
-                figures[contender].append(measure_alone(contender, name, args.steps))
+            for contender in figures:
+                if contender != "ddp-gloo-2":
+                    figures[contender].append(measure_alone(contender, name, args.steps))
             if not args.no_ddp:
                 figures["ddp-gloo-2"].append(ddp_gloo(name, shape, args.steps, threads)[0])
         median = {key: statistics.median(values) for key, values in figures.items() if values}
         print(f"\n{name}")
         for key, value in median.items():
-            print(f"  {key:<11} {value:>9.0f} samples/s  ({1e3 * BATCH / value:6.2f} ms/step)")
+            print(f"  {key:<19} {value:>9.0f} samples/s  ({1e3 * BATCH / value:6.2f} ms/step)")
         print(
             f"  asyncddp-2 / plain       {median['asyncddp-2'] / median['plain']:.2f}x  (target >= 0.95x)"
         )
@@ -373,6 +385,8 @@ async def main() -> None:
             )
         slower = median["plain"] / median["asyncddp-1"] - 1
         print(f"  asyncddp-1 per step vs plain: {slower:+.1%}  (target <= +3%)")
+        bare = median["plain"] / median["asyncddp-1-noatomic"] - 1
+        print(f"  asyncddp-1-noatomic vs plain: {bare:+.1%}  (no step backup, as the plain loop)")
         floor = median["plain"] / median["handoff-1"] - 1
         print(f"  handoff-1 per step vs plain:  {floor:+.1%}  (the floor of a free event loop)")
 
