@@ -1,7 +1,9 @@
 """Training throughput: asyncddp against a plain loop and DistributedDataParallel, same work.
 
-Run:  python bench/throughput.py            (a few minutes on 2 cores)
+Run:  python bench/throughput.py            (about 10 minutes on 2 cores)
       python bench/throughput.py --quick    (a smoke run)
+      python bench/throughput.py --workloads "mlp 512-1024-10" --rounds 21 \
+          --contenders plain handoff-1 asyncddp-1 asyncddp-1-noatomic    (some, more rounds)
 
 Every contender trains the same model on the same global batch (256) with SGD, using the same
 number of CPU threads in all (``torch.get_num_threads()``, all cores by default):
@@ -332,63 +334,76 @@ async def measure(contender: str, workload: str, steps: int) -> float:
     return await with_asyncddp(make, batches, int(contender.rsplit("-", 1)[1]))
 
 
+CONTENDERS = (
+    "plain",
+    "handoff-1",
+    "asyncddp-1",
+    "asyncddp-1-noatomic",
+    "asyncddp-2",
+    "halves-2",
+    "ddp-gloo-2",
+)
+
+# What is printed under the figures: (numerator, denominator, label). A ratio of samples per
+# second, or with "per step" in the label, how much slower a step is.
+RATIOS = (
+    ("asyncddp-2", "plain", "(target >= 0.95x)"),
+    ("halves-2", "plain", "(the compute alone: the most a 2-way split can reach)"),
+    ("asyncddp-2", "ddp-gloo-2", "(target >= 1.5x)"),
+    ("asyncddp-1", "plain", "per step (target <= +3%)"),
+    ("asyncddp-1-noatomic", "plain", "per step (no step backup, as the plain loop)"),
+    ("handoff-1", "plain", "per step (the floor of a free event loop)"),
+)
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--measure", nargs=2, metavar=("CONTENDER", "WORKLOAD"), help=argparse.SUPPRESS
     )
     parser.add_argument("--steps", type=int, default=60, help="timed steps per round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--no-ddp", action="store_true", help="skip the DDP baseline")
+    parser.add_argument(
+        "--contenders", nargs="+", choices=CONTENDERS, default=CONTENDERS, help="which to run"
+    )
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     args = parser.parse_args()
     if args.measure:
         print(await measure(*args.measure, args.steps))
         return
     if args.quick:
         args.steps, args.rounds = 8, 1
+    contenders = [c for c in CONTENDERS if c in args.contenders]
+    if args.no_ddp and "ddp-gloo-2" in contenders:
+        contenders.remove("ddp-gloo-2")
     threads = torch.get_num_threads()
     print(
         f"samples/s, global batch {BATCH}, {threads} CPU threads in all, median of {args.rounds} "
         f"rounds x {args.steps} steps (torch {torch.__version__}, {os.cpu_count()} CPUs)"
     )
-    for name, (_, shape) in WORKLOADS.items():
-        figures: dict[str, list[float]] = {
-            "plain": [],
-            "handoff-1": [],
-            "asyncddp-1": [],
-            "asyncddp-1-noatomic": [],
-            "asyncddp-2": [],
-            "halves-2": [],
-            "ddp-gloo-2": [],
-        }
+    for name in args.workloads:
+        shape = WORKLOADS[name][1]
+        figures: dict[str, list[float]] = {contender: [] for contender in contenders}
         for _ in range(args.rounds):
-            for contender in figures:
-                if contender != "ddp-gloo-2":
+            for contender in contenders:
+                if contender == "ddp-gloo-2":
+                    figures[contender].append(ddp_gloo(name, shape, args.steps, threads)[0])
+                else:
                     figures[contender].append(measure_alone(contender, name, args.steps))
-            if not args.no_ddp:
-                figures["ddp-gloo-2"].append(ddp_gloo(name, shape, args.steps, threads)[0])
-        median = {key: statistics.median(values) for key, values in figures.items() if values}
+        median = {key: statistics.median(values) for key, values in figures.items()}
         print(f"\n{name}")
         for key, value in median.items():
             print(f"  {key:<19} {value:>9.0f} samples/s  ({1e3 * BATCH / value:6.2f} ms/step)")
-        print(
-            f"  asyncddp-2 / plain       {median['asyncddp-2'] / median['plain']:.2f}x  (target >= 0.95x)"
-        )
-        print(
-            f"  halves-2 / plain         {median['halves-2'] / median['plain']:.2f}x  (the "
-            "compute alone: the most a 2-way split can reach)"
-        )
-        if "ddp-gloo-2" in median:
-            print(
-                f"  asyncddp-2 / ddp-gloo-2  {median['asyncddp-2'] / median['ddp-gloo-2']:.2f}x  (target >= 1.5x)"
-            )
-        slower = median["plain"] / median["asyncddp-1"] - 1
-        print(f"  asyncddp-1 per step vs plain: {slower:+.1%}  (target <= +3%)")
-        bare = median["plain"] / median["asyncddp-1-noatomic"] - 1
-        print(f"  asyncddp-1-noatomic vs plain: {bare:+.1%}  (no step backup, as the plain loop)")
-        floor = median["plain"] / median["handoff-1"] - 1
-        print(f"  handoff-1 per step vs plain:  {floor:+.1%}  (the floor of a free event loop)")
+        for top, bottom, label in RATIOS:
+            if top not in median or bottom not in median:
+                continue
+            if label.startswith("per step"):
+                slower = median[bottom] / median[top] - 1
+                print(f"  {top} per step vs {bottom}: {slower:+.1%}  {label[9:]}")
+            else:
+                print(f"  {top} / {bottom}  {median[top] / median[bottom]:.2f}x  {label}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,129 @@
+"""Where a training step's time goes: each phase of asyncddp's step, timed on the workers.
+
+Run:  python bench/phases.py            (about half a minute on 2 cores)
+      python bench/phases.py --quick
+
+Trains the MLP 512-1024-10 (global batch 256, SGD with momentum) on ``cpu_devices(n)`` for n in
+1 and 2, with timers wrapped around the pieces of a step's job on each worker: forward and
+backward, the waits at the devices' meetings, the reduce-scatter, the backup of the
+parameters and optimizer state (``atomic_steps``; one device copies it ahead, after its job has
+reported, while the event loop handles the results), the optimizer step, and the whole job.
+What is left of the step's wall time is the time between two steps' jobs: the hand-off to the
+workers and back, the event loop's own work on the step's results, and a copy made ahead that
+outlasts it.
+
+Each piece is the median over the steps of its time on any worker, in ms; so is the time
+between two steps' jobs (from the last job of one step to end to the first of the next to
+start). The step's wall time is the epoch's time over its steps in the same run, timers
+included (they cost a few microseconds each); it is a mean, so it also carries the slow steps
+that medians leave out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from throughput import BATCH, SGD, make_batches, mlp, step
+
+import asyncddp
+from asyncddp import _jobs, _sync
+
+PIECES = {  # what is timed: (where it is, its name there)
+    "forward+backward": (_jobs.Jobs, "train"),
+    "meetings": (_jobs.Meeting, "wait"),
+    "reduce-scatter": (_jobs, "reduce_scatter"),
+    "backup": (_sync.StepBackup, "capture"),
+    "backup made ahead": (_sync.StepBackup, "prepare"),
+    "optimizer step": (torch.optim.SGD, "step"),
+    "whole job": (_jobs.Jobs, "train_and_step"),
+}
+
+
+def timing(spans: dict[str, list[tuple[str, float, float]]]) -> Callable[[], None]:
+    """Wrap every piece with a timer that records (thread, start, end); returns the undo."""
+    undo = []
+    for piece, (owner, name) in PIECES.items():
+        original = getattr(owner, name)
+
+        def timed(*args: Any, _piece: str = piece, _fn: Any = original, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                end = time.perf_counter()
+                spans[_piece].append((threading.current_thread().name, start, end))
+
+        setattr(owner, name, timed)
+        undo.append((owner, name, original))
+
+    def restore() -> None:
+        for owner, name, original in undo:
+            setattr(owner, name, original)
+
+    return restore
+
+
+async def measure(devices: int, steps: int) -> dict[str, float]:
+    """The median ms of each piece, per step and worker, and the step's wall time."""
+    spans: dict[str, list[tuple[str, float, float]]] = {piece: [] for piece in PIECES}
+    batches = make_batches((512,), steps)
+    torch.manual_seed(0)
+    trainer = asyncddp.Trainer(
+        mlp(), SGD, step, devices=asyncddp.cpu_devices(devices), progress_bar=False
+    )
+    await trainer.fit(batches[:3], epochs=1)  # warm-up
+    restore = timing(spans)
+    try:
+        result = await trainer.fit(batches, epochs=2)
+    finally:
+        restore()
+    figures = {}
+    for piece, recorded in spans.items():
+        if piece == "meetings":  # two a step on each worker: their sum, step by step
+            by_thread: dict[str, list[float]] = {}
+            for thread, start, end in recorded:
+                by_thread.setdefault(thread, []).append(end - start)
+            totals = [sum(w[i : i + 2]) for w in by_thread.values() for i in range(0, len(w), 2)]
+        else:
+            totals = [end - start for _, start, end in recorded]
+        figures[piece] = 1e3 * statistics.median(totals) if totals else 0.0
+    figures["step (wall)"] = 1e3 * result.history[-1].seconds / steps
+    # From the last job of a step to end to the first of the next one to start.
+    by_thread: dict[str, list[tuple[float, float]]] = {}
+    for thread, start, end in spans["whole job"]:
+        by_thread.setdefault(thread, []).append((start, end))
+    jobs = list(zip(*by_thread.values(), strict=True))  # a step: one job a worker
+    gaps = [
+        min(start for start, _ in jobs[i + 1]) - max(end for _, end in jobs[i])
+        for i in range(len(jobs) - 1)
+    ]
+    figures["between two steps' jobs"] = 1e3 * statistics.median(gaps)
+    return figures
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    args = parser.parse_args()
+    steps = 10 if args.quick else args.steps
+    print(
+        f"ms a step, MLP 512-1024-10, global batch {BATCH}, SGD with momentum, median of "
+        f"{steps} steps; {torch.get_num_threads()} CPU threads in all (torch {torch.__version__})"
+    )
+    runs = {devices: await measure(devices, steps) for devices in (1, 2)}
+    print(f"\n  {'':<24}" + "".join(f"{f'{n} device' + ('s' if n > 1 else ''):>12}" for n in runs))
+    for piece in [*PIECES, "between two steps' jobs", "step (wall)"]:
+        row = "".join(f"{runs[n][piece]:>12.3f}" for n in runs)
+        print(f"  {piece:<24}{row}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
