@@ -10,7 +10,7 @@ A step is a *window* of one or more batches (``accumulate_grad_batches``):
 The window's last micro-step runs the three phases in one job a device (``train_and_step``),
 the devices' jobs meeting between them at a barrier (:class:`Meeting`): one hand-off a step
 instead of three (measured: 6.80 to 6.27 ms a step, 2 CPU workers on the benchmarks' MLP,
-``python bench/ab.py <commit> --contender asyncddp-2``). Not with loss scaling, whose finite
+``python bench/ab.py HEAD --contender asyncddp-2`` on the change before it was committed). Not with loss scaling, whose finite
 check decides on the event loop whether to step, nor with several devices and a
 ``step_timeout`` (see :meth:`Steps._fusable`).
 
