@@ -30,7 +30,7 @@ import anyio
 from . import _comm, distributed
 from ._comm import Comm, Global
 from ._exceptions import ConfigurationError, WorkerFailedError
-from ._jobs import ApplyWork, ExchangeWork, Sums, TrainWork, exchange_gradients
+from ._jobs import ExchangeWork, Sums, TrainWork, exchange_gradients
 from ._loop import current_waker
 from ._ranks import rank_view
 from ._steps import Steps, Window, phase_from_jobs, shard_items
@@ -362,24 +362,6 @@ class DistributedSteps(Steps):
             if not finite:  # every rank sees the same sums: all skip this step together
                 await self._abandon()
                 return self._replicas[0].lr()
-        work = self._apply_work(coefficient, result.unused)
-        stepped: list[float | None] = []  # the replicas that stepped, even if cancelled
-
-        def apply(ctx: WorkerContext, work: ApplyWork) -> float | None:
-            lr = jobs.apply(ctx, work)
-            stepped.append(lr)
-            return lr
-
-        try:
-            applied = await self._run_all(apply, work, phase="optimizer", shield=True)
-            lr: float | None = applied.outputs[0]
-        except BaseException as error:
-            if len(stepped) < len(self.devices) or isinstance(error, Exception):
-                if not self.atomic_steps or await self._abandon(self._apply_id):
-                    self._consistent = False
-                raise
-            # Cancelled, but every rank took this step: so does this one.
-            self._cancelled_in_step = self._cancelled_in_step or error
-            lr = self._replicas[0].lr()
-        self._window_open = False
-        return lr
+        # A cancellation once the exchange is done (kept in _cancelled_in_step): every rank
+        # takes this step, so does this one.
+        return await self._apply(self._apply_work(coefficient, result.unused))

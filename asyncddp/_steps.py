@@ -10,9 +10,9 @@ A step is a *window* of one or more batches (``accumulate_grad_batches``):
 The window's last micro-step runs the three phases in one job a device (``train_and_step``),
 the devices' jobs meeting between them at a barrier (:class:`Meeting`): one hand-off a step
 instead of three (measured: 6.80 to 6.27 ms a step, 2 CPU workers on the benchmarks' MLP,
-``python bench/ab.py HEAD --contender asyncddp-2`` on the change before it was committed). Not with loss scaling, whose finite
-check decides on the event loop whether to step, nor with several devices and a
-``step_timeout`` (see :meth:`Steps._fusable`).
+``python bench/ab.py HEAD --contender asyncddp-2`` on the change before it was committed). Not
+with loss scaling, whose finite check decides on the event loop whether to step, nor with
+several devices and a ``step_timeout`` (see :meth:`Steps._fusable`).
 
 A failure anywhere makes the window *abandoned* on every device (``abandon`` jobs): an optimizer
 step already taken is undone from its backup, the buffers go back to what the window found, the
@@ -419,7 +419,14 @@ class Steps:
         unused = tuple(
             i for i in range(len(self._replicas[0].params)) if not window.sums.used >> i & 1
         )
-        work = self._apply_work(coefficient, unused)
+        return await self._apply(self._apply_work(coefficient, unused))
+
+    async def _apply(self, work: ApplyWork) -> float | None:
+        """Every replica's optimizer step, shielded (every device runs it to the end), all or
+        none: a step that failed on a device is undone on every device (or the trainer is
+        marked inconsistent without a backup); one that every device took before a
+        cancellation came counts, and the cancellation goes on right after it."""
+        jobs = self._jobs()
         stepped: list[float | None] = []  # the replicas that stepped, even if cancelled
 
         def apply(ctx: WorkerContext, work: ApplyWork) -> float | None:
@@ -432,14 +439,10 @@ class Steps:
             lr: float | None = applied.outputs[0]
         except BaseException as error:
             if len(stepped) < len(self.devices) or isinstance(error, Exception):
-                # Some replicas may have stepped: undo the step everywhere (shielded, so that
-                # it happens even while the fit is being cancelled), then let the error go on.
                 if not self.atomic_steps or await self._abandon(self._apply_id):
                     self._consistent = False
                 raise
-            # Cancelled once every device had stepped: the step counts, and the cancellation
-            # goes on right after it.
-            self._cancelled_in_step = error
+            self._cancelled_in_step = self._cancelled_in_step or error
             lr = self._replicas[0].lr()
         self._window_open = False
         return lr

@@ -1264,6 +1264,19 @@ class SlowSGD(torch.optim.SGD):
         return result
 
 
+def slow_sgd_trainer(devices: int, **options: Any) -> Trainer:
+    """A trainer whose optimizer takes a while after its update (:class:`SlowSGD`)."""
+    SlowSGD.updated.clear()
+    return Trainer(
+        make_model(),
+        functools.partial(SlowSGD, lr=0.1),
+        loss_step,
+        devices=cpu_devices(devices),
+        progress_bar=False,
+        **options,
+    )
+
+
 @pytest.mark.parametrize("atomic_steps", [True, False], ids=["atomic", "not-atomic"])
 @pytest.mark.parametrize(
     ("devices", "step_timeout"),
@@ -1276,17 +1289,8 @@ async def test_a_step_cancelled_after_every_device_updated_counts(
     # Once every device has taken its optimizer step, a cancellation lets the step count, and
     # training goes on from there (as across ranks): under asyncio and trio, with a backup or
     # without one, whether the phases run as one job a device or as jobs apart.
-    SlowSGD.updated.clear()
     batches = make_batches([4, 4])
-    trainer = Trainer(
-        make_model(),
-        functools.partial(SlowSGD, lr=0.1),
-        loss_step,
-        devices=cpu_devices(devices),
-        atomic_steps=atomic_steps,
-        step_timeout=step_timeout,
-        progress_bar=False,
-    )
+    trainer = slow_sgd_trainer(devices, atomic_steps=atomic_steps, step_timeout=step_timeout)
     async with anyio.create_task_group() as group:
         group.start_soon(lambda: trainer.fit(batches, epochs=1))  # type: ignore[arg-type,return-value]
         while not SlowSGD.updated.is_set():  # noqa: ASYNC110 (a worker thread sets it)
@@ -1303,15 +1307,8 @@ async def test_a_step_cancelled_after_every_device_updated_counts(
 async def test_a_plain_task_cancel_after_every_device_updated_counts_the_step() -> None:
     # asyncio's own task.cancel() (not a cancel scope) is delivered through the shielded
     # optimizer step: the step still counts.
-    SlowSGD.updated.clear()
     batches = make_batches([4, 4])
-    trainer = Trainer(
-        make_model(),
-        functools.partial(SlowSGD, lr=0.1),
-        loss_step,
-        devices=cpu_devices(2),
-        progress_bar=False,
-    )
+    trainer = slow_sgd_trainer(2)
     import asyncio
 
     task = asyncio.ensure_future(trainer.fit(batches, epochs=1))
@@ -1337,43 +1334,9 @@ async def test_failures_in_the_optimizer_step_of_two_devices_both_name_that_phas
     assert_replicas_identical(trainer)
 
 
-def test_a_meeting_left_after_a_round_is_complete_releases_that_round() -> None:
-    # The last job to arrive completes the round and fails at once: the jobs it released must
-    # go on (they all step), even if they have not woken yet when it leaves.
-    for _ in range(200):
-        meeting = Meeting(3)
-        outcomes: list[str] = []
-        ctx = [WorkerContext(device, None, 0, "train") for device in cpu_devices(3)]
-
-        def wait(
-            i: int,
-            meeting: Meeting = meeting,
-            outcomes: list[str] = outcomes,
-            ctx: list[WorkerContext] = ctx,
-        ) -> None:
-            try:
-                meeting.wait(ctx[i])
-                outcomes.append("passed")
-            except PeerLeft:
-                outcomes.append("left")
-
-        threads = [threading.Thread(target=wait, args=(i,)) for i in (0, 1)]
-        for thread in threads:
-            thread.start()
-        while meeting._arrived < 2:  # both wait in the round
-            time.sleep(0.0001)
-        meeting.wait(ctx[2])  # completes the round...
-        meeting.leave()  # ...and fails right after
-        for thread in threads:
-            thread.join(5)
-        assert outcomes == ["passed", "passed"]
-        with pytest.raises(PeerLeft):  # the next round is broken
-            meeting.wait(ctx[0])
-
-
-def test_a_meeting_left_in_a_round_releases_its_waiters() -> None:
-    meeting = Meeting(3)
-    ctx = [WorkerContext(device, None, 0, "train") for device in cpu_devices(3)]
+def waiting(meeting: Meeting, devices: int) -> tuple[list[threading.Thread], list[str]]:
+    """Threads for all but the last of ``devices``, waiting at ``meeting``; what each met."""
+    ctx = [WorkerContext(device, None, 0, "train") for device in cpu_devices(devices)]
     outcomes: list[str] = []
 
     def wait(i: int) -> None:
@@ -1383,11 +1346,33 @@ def test_a_meeting_left_in_a_round_releases_its_waiters() -> None:
         except PeerLeft:
             outcomes.append("left")
 
-    threads = [threading.Thread(target=wait, args=(i,)) for i in (0, 1)]
+    threads = [threading.Thread(target=wait, args=(i,)) for i in range(devices - 1)]
     for thread in threads:
         thread.start()
-    while meeting._arrived < 2:
+    while meeting._arrived < devices - 1:  # every one of them waits in the round
         time.sleep(0.0001)
+    return threads, outcomes
+
+
+def test_a_meeting_left_after_a_round_is_complete_releases_that_round() -> None:
+    # The last job to arrive completes the round and fails at once: the jobs it released must
+    # go on (they all step), even if they have not woken yet when it leaves.
+    last = WorkerContext(cpu_devices(3)[2], None, 0, "train")
+    for _ in range(200):
+        meeting = Meeting(3)
+        threads, outcomes = waiting(meeting, 3)
+        meeting.wait(last)  # completes the round...
+        meeting.leave()  # ...and fails right after
+        for thread in threads:
+            thread.join(5)
+        assert outcomes == ["passed", "passed"]
+        with pytest.raises(PeerLeft):  # the next round is broken
+            meeting.wait(last)
+
+
+def test_a_meeting_left_in_a_round_releases_its_waiters() -> None:
+    meeting = Meeting(3)
+    threads, outcomes = waiting(meeting, 3)
     meeting.leave()
     for thread in threads:
         thread.join(5)
