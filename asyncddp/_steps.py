@@ -8,7 +8,7 @@ A step is a *window* of one or more batches (``accumulate_grad_batches``):
 3. all-gather and optimizer step on every device (``apply`` jobs, shielded: all run to the end).
 
 The window's last micro-step runs the three phases in one job a device (``train_and_step``),
-the devices' jobs meeting between them at a barrier (:class:`Meeting`): one hand-off a step
+the devices' jobs meeting between them (:class:`Meeting`): one hand-off a step
 instead of three (measured: 6.80 to 6.27 ms a step, 2 CPU workers on the benchmarks' MLP,
 ``python bench/ab.py HEAD --contender asyncddp-2`` on the change before it was committed). Not
 with loss scaling, whose finite check decides on the event loop whether to step, nor with
@@ -372,9 +372,9 @@ class Steps:
                 self._cancelled_in_step = error
             else:
                 phase_from_jobs(error)
-                # The optimizer step may have been taken: undo it (shielded), then go on.
-                # Without a backup a step that was taken (failed half way, or done before a
-                # cancellation) cannot be undone.
+                # The optimizer step may have been taken on some devices (one failed in it, or
+                # a cancellation came while some had stepped): undo it (shielded), then go on.
+                # Without a backup a step that was taken cannot be undone.
                 stepped = any(r.stepped_at == self._apply_id for r in self._replicas)
                 undone = not await self._abandon(self._apply_id)
                 if not undone or (not self.atomic_steps and (stepped or error_in_optimizer(error))):

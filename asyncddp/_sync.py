@@ -297,31 +297,24 @@ def _fits(buffer: torch.Tensor, value: torch.Tensor) -> bool:
 
 
 def _copy_part(
-    targets: Sequence[torch.Tensor],
-    sources: Sequence[torch.Tensor],
-    part: tuple[int, int],
-    live: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], part: tuple[int, int]
 ) -> None:
-    """Copy part ``index`` of ``parts`` of ``sources`` into ``targets``: near-equal slices of
-    all their elements, taken end to end. A tensor whose ``live`` one (the replica's, on
-    either side) is not contiguous has no flat slices: it goes whole, with the part that holds
-    its first element."""
+    """Copy part ``index`` of ``parts`` of ``sources`` into ``targets`` (contiguous): near-equal
+    slices of all their elements in row-major order, taken end to end. Where the parts fall
+    depends on the tensors' sizes only, never on their memory layout, so a capture and a
+    restore cut them alike even if a step changed a tensor's layout."""
     index, parts = part
     total = sum(t.numel() for t in targets)
     start, stop = chunk_bounds(total, parts, index)
     into, froms = [], []
     offset = 0
-    for target, source, tensor in zip(targets, sources, live, strict=True):
+    for target, source in zip(targets, sources, strict=True):
         size = target.numel()
-        if not tensor.is_contiguous():
-            if start <= offset < stop:
-                into.append(target)
-                froms.append(source)
-        else:
-            low, high = max(start, offset), min(stop, offset + size)
-            if low < high:
-                into.append(target.view(-1)[low - offset : high - offset])
-                froms.append(source.view(-1)[low - offset : high - offset])
+        low, high = max(start, offset), min(stop, offset + size)
+        if low < high:
+            into.append(target.view(-1)[low - offset : high - offset])
+            # A view of a contiguous source; a copy of a source laid out otherwise.
+            froms.append(source.reshape(-1)[low - offset : high - offset])
         offset += size
     if into:
         torch._foreach_copy_(into, froms)
@@ -374,7 +367,7 @@ def _copy_tensors(
     if part is None:
         torch._foreach_copy_(targets, values)
     else:
-        _copy_part(targets, values, part, values)
+        _copy_part(targets, values, part)
     return _Copy(saved_params, states, sources)
 
 
@@ -468,6 +461,22 @@ class StepBackup:
             tensors, groups, scheduler.state_dict() if scheduler is not None else None, peers
         )
 
+    @staticmethod
+    def _restore_parts(peers: Sequence[StepBackup], targets: list[torch.Tensor]) -> None:
+        """Fill ``targets`` from a backup in parts: each part from the peer that copied it.
+        A target laid out otherwise than contiguously is filled through a contiguous buffer
+        (parts are slices in row-major order, see :func:`_copy_part`)."""
+        flat = [
+            t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+            for t in targets
+        ]
+        for index, peer in enumerate(peers):
+            assert peer._saved is not None, "a backup in parts restored before its capture"
+            _copy_part(flat, _saved_tensors(peer._saved.tensors), (index, len(peers)))
+        for target, buffer in zip(targets, flat, strict=True):
+            if buffer is not target:
+                target.copy_(buffer)
+
     def restore(
         self,
         params: Sequence[torch.Tensor],
@@ -498,10 +507,8 @@ class StepBackup:
         with torch.no_grad():
             if not saved.peers:
                 torch._foreach_copy_(targets, _saved_tensors(saved.tensors))
-            for index, peer in enumerate(saved.peers):  # each part from the peer that has it
-                assert peer._saved is not None, "a backup in parts restored before its capture"
-                sources = _saved_tensors(peer._saved.tensors)
-                _copy_part(targets, sources, (index, len(saved.peers)), targets)
+            else:
+                self._restore_parts(saved.peers, targets)
         for group, hyper in zip(optimizer.param_groups, saved.groups, strict=True):
             group.update(hyper)
         if scheduler is not None and saved.scheduler is not None:

@@ -265,7 +265,37 @@ def test_a_backup_in_parts_copies_only_its_part() -> None:
     new, got = flat(), saved()
     start, stop = _sync.chunk_bounds(new.numel(), 2, 1)
     assert torch.equal(got[start:stop], new[start:stop])
-    # Part 0's elements are not copied, but the non-contiguous parameter (whole, in part 0,
-    # which holds its first element) is, as a whole, by part 0 only.
+    # Part 0's elements are not copied (the non-contiguous parameter's included: parts are
+    # slices in row-major order, whatever the layout).
     assert torch.equal(got[:start], old[:start])
     assert torch.equal(got[stop:], old[stop:])
+
+
+def test_a_backup_in_parts_survives_a_step_that_changes_a_tensors_layout() -> None:
+    # An optimizer may replace a state tensor with one laid out otherwise (here: transposed
+    # memory, then contiguous). Capture and restore must cut the parts alike, or a restore
+    # reads elements no peer copied.
+    parts = 3
+    group = []
+    for _ in range(parts):
+        torch.manual_seed(0)
+        model = nn.Linear(7, 5)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for param in model.parameters():  # a state tensor laid out column-major
+            state = torch.randn(param.shape[::-1], generator=torch.Generator().manual_seed(1))
+            optimizer.state[param]["buf"] = state.t() if param.dim() == 2 else state
+        group.append((model, optimizer))
+    assert not group[0][1].state[group[0][0].weight]["buf"].is_contiguous()
+    before = snapshot(*group[0])
+    backups = [StepBackup() for _ in group]
+    for backup, (model, optimizer) in zip(backups, group, strict=True):
+        backup.capture(list(model.parameters()), optimizer, None, peers=backups)
+    for model, optimizer in group:  # the "step": new values, contiguous tensors
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(1)
+                state = optimizer.state[param]
+                state["buf"] = (state["buf"] * 2 + 1).contiguous()
+    for backup, (model, optimizer) in zip(backups, group, strict=True):
+        backup.restore(list(model.parameters()), optimizer, None)
+        assert_same(snapshot(model, optimizer), before)
