@@ -70,6 +70,14 @@ def timing(spans: dict[str, list[tuple[str, float, float]]]) -> Callable[[], Non
     return restore
 
 
+def per_thread(recorded: list[tuple[str, float, float]]) -> list[list[tuple[float, float]]]:
+    """The (start, end) spans of each worker thread, in the order they ran."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for thread, start, end in recorded:
+        spans.setdefault(thread, []).append((start, end))
+    return list(spans.values())
+
+
 async def measure(devices: int, steps: int) -> dict[str, float]:
     """The median ms of each piece, per step and worker, and the step's wall time."""
     spans: dict[str, list[tuple[str, float, float]]] = {piece: [] for piece in PIECES}
@@ -87,19 +95,17 @@ async def measure(devices: int, steps: int) -> dict[str, float]:
     figures = {}
     for piece, recorded in spans.items():
         if piece == "meetings":  # two a step on each worker: their sum, step by step
-            by_thread: dict[str, list[float]] = {}
-            for thread, start, end in recorded:
-                by_thread.setdefault(thread, []).append(end - start)
-            totals = [sum(w[i : i + 2]) for w in by_thread.values() for i in range(0, len(w), 2)]
+            totals = [
+                sum(end - start for start, end in spans[i : i + 2])
+                for spans in per_thread(recorded)
+                for i in range(0, len(spans), 2)
+            ]
         else:
             totals = [end - start for _, start, end in recorded]
         figures[piece] = 1e3 * statistics.median(totals) if totals else 0.0
     figures["step (wall)"] = 1e3 * result.history[-1].seconds / steps
     # From the last job of a step to end to the first of the next one to start.
-    by_thread: dict[str, list[tuple[float, float]]] = {}
-    for thread, start, end in spans["whole job"]:
-        by_thread.setdefault(thread, []).append((start, end))
-    jobs = list(zip(*by_thread.values(), strict=True))  # a step: one job a worker
+    jobs = list(zip(*per_thread(spans["whole job"]), strict=True))  # a step: one job a worker
     gaps = [
         min(start for start, _ in jobs[i + 1]) - max(end for _, end in jobs[i])
         for i in range(len(jobs) - 1)
