@@ -28,15 +28,26 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
 
 
-def state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    params = list(model.parameters())
-    momentum = [optimizer.state[p]["momentum_buffer"] for p in params]
-    return [t.detach().clone() for t in params + momentum]
+def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Copies of the parameters and of every optimizer state value, to compare with."""
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "state": {
+            i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for i, s in enumerate(optimizer.state.values())
+        },
+    }
 
 
-def assert_state(model: nn.Module, optimizer: torch.optim.Optimizer, expected: Any) -> None:
-    for got, want in zip(state(model, optimizer), expected, strict=True):
-        assert torch.equal(got, want)
+def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert len(got["params"]) == len(want["params"])
+    for a, b in zip(got["params"], want["params"], strict=True):
+        assert torch.equal(a, b)
+    assert got["state"].keys() == want["state"].keys()
+    for i, state in want["state"].items():
+        assert got["state"][i].keys() == state.keys()
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(got["state"][i][key]), torch.as_tensor(value))
 
 
 @pytest.fixture
@@ -62,11 +73,11 @@ def assert_undone_to_the_capture(change: Callable[[nn.Module, Any, StepBackup], 
     train_step(model, optimizer)
     backup.prepare(params, optimizer)
     change(model, optimizer, backup)
-    before = state(model, optimizer)
+    before = snapshot(model, optimizer)
     backup.capture(params, optimizer, None)
     train_step(model, optimizer)
     backup.restore(params, optimizer, None)
-    assert_state(model, optimizer, before)
+    assert_same(snapshot(model, optimizer), before)
 
 
 def test_a_copy_made_ahead_is_the_backup_while_nothing_changed(copies: list[int]) -> None:
@@ -104,12 +115,12 @@ def test_the_last_backup_still_restores_once_the_next_is_copied_ahead() -> None:
     for _ in range(3):  # so that both sets of buffers have been used
         train_step(model, optimizer)
         backup.prepare(params, optimizer)
-        before = state(model, optimizer)
+        before = snapshot(model, optimizer)
         backup.capture(params, optimizer, None)
         train_step(model, optimizer)
         backup.prepare(params, optimizer)
         backup.restore(params, optimizer, None)
-        assert_state(model, optimizer, before)
+        assert_same(snapshot(model, optimizer), before)
 
 
 def test_a_copy_made_ahead_is_forgotten_when_asked(copies: list[int]) -> None:
@@ -194,27 +205,6 @@ def replicas(parts: int, *, stepped: bool) -> list[tuple[nn.Module, torch.optim.
             optimizer.step()
         made.append((model, optimizer))
     return made
-
-
-def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    return {
-        "params": [p.detach().clone() for p in model.parameters()],
-        "state": {
-            i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-            for i, s in enumerate(optimizer.state.values())
-        },
-    }
-
-
-def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
-    assert len(got["params"]) == len(want["params"])
-    for a, b in zip(got["params"], want["params"], strict=True):
-        assert torch.equal(a, b)
-    assert got["state"].keys() == want["state"].keys()
-    for i, state in want["state"].items():
-        assert got["state"][i].keys() == state.keys()
-        for key, value in state.items():
-            assert torch.equal(torch.as_tensor(got["state"][i][key]), torch.as_tensor(value))
 
 
 @pytest.mark.parametrize("parts", [2, 3, 40])
