@@ -38,6 +38,7 @@ from ._exceptions import (
     WorkerTimeoutError,
 )
 from ._loop import Waker, current_waker
+from ._openmp import release_idle_threads
 from ._progress import Progress, ProgressTracker
 from ._worker import CallerState, DeviceWorker, WorkerContext
 
@@ -231,6 +232,9 @@ class StepScheduler:
             caller's ``torch.get_num_threads()`` is shared out among the CPU workers (at least
             one each), so that several CPU workers use the same cores in all as one would,
             rather than each starting a full thread pool and oversubscribing the machine.
+            Before CPU workers of more than one thread start, the calling thread lets go of
+            its idle OpenMP threads (GNU OpenMP on Linux), which would otherwise slow the
+            workers' ops (see the docs' "CPU threads").
     """
 
     def __init__(
@@ -292,6 +296,11 @@ class StepScheduler:
             raise SchedulerClosedError(f"{self!r} was started already; make a new one")
         cpu_workers = sum(not device.is_cuda for device in self.devices)
         share = self.threads_per_worker or max(1, torch.get_num_threads() // max(cpu_workers, 1))
+        if cpu_workers and share > 1:
+            # The workers' OpenMP teams would otherwise join an idle one of this thread's, and
+            # their threads together outnumber the cores: libgomp then stops busy-waiting
+            # between ops, and every op of a step waits for its threads to wake (see _openmp).
+            release_idle_threads()
         workers = tuple(
             DeviceWorker(device, threads=None if device.is_cuda else share)
             for device in self.devices

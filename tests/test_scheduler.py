@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextvars
 import gc
+import os
 import pickle
 import statistics
 import threading
@@ -21,8 +22,10 @@ from asyncddp import (
     WorkerContext,
     WorkerFailedError,
     WorkerTimeoutError,
+    _openmp,
     cpu_devices,
 )
+from asyncddp._openmp import release_idle_threads
 from asyncddp.testing import InjectedFailure, asyncddp_threads, fail_on, hang_on
 
 pytestmark = pytest.mark.anyio
@@ -659,3 +662,76 @@ async def test_on_cancel_is_not_called_for_a_step_that_succeeds() -> None:
     async with StepScheduler(cpu_devices(2)) as scheduler:
         await scheduler.run(where, [None, None], on_cancel=lambda: calls.append(None))
     assert calls == []
+
+
+def _tasks() -> set[int]:
+    return set(map(int, os.listdir("/proc/self/task")))
+
+
+def _in_a_thread_with_a_team(then: Any) -> tuple[set[int], set[int]]:
+    """In a new thread: start its OpenMP team (a parallel op, 2 threads), then call ``then()``.
+    Returns the team's helper threads and the process's threads after ``then()``."""
+    out: list[tuple[set[int], set[int]]] = []
+    callers = torch.get_num_threads()
+
+    def main() -> None:
+        torch.set_num_threads(2)  # this thread's own team: 2 threads, 1 of them a helper
+        before = _tasks()
+        torch.ones(1 << 22).add_(1)  # a parallel op starts the team
+        team = _tasks() - before
+        then()
+        deadline = time.monotonic() + 5
+        while team & _tasks() and time.monotonic() < deadline:
+            time.sleep(0.01)  # a released helper thread may take a moment to exit
+        out.append((team, _tasks()))
+        torch.set_num_threads(callers)  # what threads started later get, as before
+
+    thread = threading.Thread(target=main)
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+needs_libgomp = pytest.mark.skipif(
+    _openmp._loaded_libgomp() is None, reason="needs GNU OpenMP (libgomp), as in torch's wheels"
+)
+
+
+@needs_libgomp
+def test_release_idle_threads_lets_the_calling_threads_openmp_team_go() -> None:
+    released: list[bool] = []
+    team, after = _in_a_thread_with_a_team(lambda: released.append(release_idle_threads()))
+    assert team, "the parallel op started no helper thread"
+    assert released == [True]
+    assert not team & after
+
+
+@needs_libgomp
+def test_the_openmp_runtime_released_is_torchs_beside_other_packages_copies() -> None:
+    pytest.importorskip("sklearn.cluster")  # scikit-learn's wheels ship a libgomp of their own
+    with open("/proc/self/maps") as maps:
+        loaded = {line.split()[-1] for line in maps if "/libgomp" in line}
+    if len(loaded) < 2:
+        pytest.skip("only one libgomp is loaded here")
+    assert _openmp._loaded_libgomp() in {
+        path for path in loaded if path.startswith(os.path.dirname(torch.__file__))
+    }
+
+
+@needs_libgomp
+@pytest.mark.parametrize(("threads", "released"), [(2, True), (1, False)])
+def test_cpu_workers_of_several_threads_start_once_the_callers_idle_team_is_gone(
+    threads: int, released: bool
+) -> None:
+    # The workers' teams and the caller's together would outnumber the cores: libgomp would
+    # stop busy-waiting, and the workers' ops would slow down (see asyncddp._openmp).
+    async def run() -> None:
+        async with StepScheduler(cpu_devices(1), threads_per_worker=threads) as scheduler:
+            result = await scheduler.run(
+                lambda ctx, shard: torch.ones(1 << 22).add_(1).sum(), [None]
+            )
+            assert result.outputs[0].item() == 2 * (1 << 22)
+
+    team, after = _in_a_thread_with_a_team(lambda: anyio.run(run))
+    assert team
+    assert (not team & after) is released

@@ -1,0 +1,82 @@
+"""Letting go of the calling thread's idle OpenMP threads before CPU workers start their own.
+
+PyTorch's CPU ops run on OpenMP: the first parallel op on a thread starts a team of helper
+threads for it, which stay, idle, for the thread's lifetime. GNU OpenMP (libgomp, which the
+PyTorch wheels for Linux ship) counts the helper threads of every team in the process, and once
+they outnumber the cores it stops busy-waiting between parallel ops: every op then wakes its
+team from sleep, and the ops of a step slow down. A program whose main thread ran one parallel
+op (a model's set-up, a dataset turned into tensors) holds such a team. A CPU worker's own team
+then takes the count over the cores (measured: one CPU device on 2 cores, the MLP of
+``bench/throughput.py``, 20-35% slower a step, its threads sleeping a fifth of the time), while
+the same loop on the main thread alone runs at full speed.
+
+:func:`release_idle_threads` lets the calling thread's idle team go (OpenMP 5.0's
+``omp_pause_resource`` for the host, which libgomp implements for the calling thread only: other
+threads' teams, such as other workers', are untouched). A later parallel op on that thread
+starts a new team, in about a tenth of a millisecond. Anything else (another OpenMP runtime,
+no OpenMP, a platform without ``/proc``) is left as it is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import re
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["release_idle_threads"]
+
+_LIBGOMP = re.compile(r"libgomp[-\w]*\.so")  # libgomp.so.1, torch.libs' libgomp-a34b3233.so.1
+_OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: the runtime's state may be kept, its threads not
+
+
+def release_idle_threads() -> bool:
+    """Let the calling thread's idle OpenMP threads go (GNU OpenMP on Linux only).
+
+    Returns whether the runtime did (it refuses inside a parallel region); False where there
+    is nothing to do it with. Never raises.
+    """
+    pause = _pause()
+    return pause is not None and pause() == 0
+
+
+@functools.cache
+def _pause() -> Callable[[], int] | None:
+    path = _loaded_libgomp()
+    if path is None:
+        return None
+    try:
+        library = ctypes.CDLL(path)  # already loaded (by torch): the same copy, not another
+        pause = library.omp_pause_resource  # OpenMP 5.0: GCC 9 and later
+        host = library.omp_get_initial_device
+    except (OSError, AttributeError):
+        return None
+    pause.argtypes, pause.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    host.argtypes, host.restype = [], ctypes.c_int
+    device = host()
+    return lambda: int(pause(_OMP_PAUSE_SOFT, device))
+
+
+def _loaded_libgomp() -> str | None:
+    """The path of the libgomp torch runs on, among those this process has loaded: the one
+    torch ships (other packages, scikit-learn's for one, ship copies of their own), or the
+    only one loaded."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {
+                path
+                for line in maps
+                if "/libgomp" in line
+                and _LIBGOMP.match(os.path.basename(path := line.split(maxsplit=5)[-1].strip()))
+            }
+    except OSError:
+        return None
+    package = os.path.dirname(torch.__file__)
+    torchs = {path for path in paths if path.startswith((package + os.sep, package + ".libs"))}
+    for found in (torchs, paths):
+        if len(found) == 1:
+            return found.pop()
+    return None
