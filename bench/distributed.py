@@ -16,7 +16,8 @@ batch of 256 per step: 128 items per rank.
                    and the same with ``atomic_steps=False`` (no copy of the parameters and
                    optimizer state before each step to undo a failed one: DDP keeps none).
 
-Figures: training samples per second over both ranks (rank 0's clock, after a warm-up), median
+Figures: training samples per second over both ranks (rank 0's clock; every contender timed on
+a second pass over the batches, on the threads of the first: see throughput.py), median
 of several rounds, the contenders interleaved. Target: asyncddp at least as fast as DDP (>= 1.0x).
 Beside them, rank 0's CPU time a step (``time.process_time``, every thread of its process: the
 step's own work, the threads' hand-offs, gloo's threads) and, for asyncddp, how much of it ran on
@@ -33,8 +34,18 @@ import statistics
 import time
 from typing import Any
 
+import anyio
 import torch
-from throughput import BATCH, SGD, WORKLOADS, ddp_gloo, make_batches, run_two_ranks, step
+from throughput import (
+    BATCH,
+    SGD,
+    WORKLOADS,
+    ddp_gloo,
+    make_batches,
+    ratio_line,
+    run_two_ranks,
+    step,
+)
 
 import asyncddp
 import asyncddp.distributed
@@ -61,11 +72,25 @@ def _asyncddp_rank(
             trainer = asyncddp.Trainer(
                 make(), SGD, step, devices="cpu", progress_bar=False, atomic_steps=atomic
             )
-            await trainer.fit(halves[:6], epochs=1)  # warm-up: threads, replica, first steps
-            cpu, loop = time.process_time(), time.thread_time()
-            result = await trainer.fit(halves, epochs=2)
-            cpu, loop = time.process_time() - cpu, time.thread_time() - loop
-            return steps * BATCH / result.history[-1].seconds, 1e3 * cpu / steps, 1e3 * loop / steps
+            marks: list[tuple[float, float]] = []  # CPU clocks as each epoch ends
+            events = trainer.events()
+
+            async def mark_epochs() -> None:
+                async for event in events:
+                    if isinstance(event, asyncddp.EpochEnded):
+                        marks.append((time.process_time(), time.thread_time()))
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(mark_epochs)
+                # The first epoch is the warm-up: the fit's threads start with it.
+                result = await trainer.fit(halves, epochs=2)
+            (cpu0, loop0), (cpu1, loop1) = marks
+            seconds = result.history[-1].seconds
+            return (
+                steps * BATCH / seconds,
+                1e3 * (cpu1 - cpu0) / steps,
+                1e3 * (loop1 - loop0) / steps,
+            )
 
         figures = asyncio.run(run())
         if rank == 0:
@@ -125,14 +150,14 @@ def main() -> None:
             looped = f"{loop[0]:>12.2f}" if loop else f"{'':>12}"
             print(f"  {key:<33} {value:>9.0f} {1e3 * BATCH / value:>8.2f} {cpu:>12.2f} {looped}")
         ours, ddp = median["asyncddp-2proc"], median["ddp-gloo-2"]
-        print(f"  asyncddp-2proc / ddp-gloo-2  {ours[0] / ddp[0]:.2f}x  (target >= 1.0x)")
-        print(
-            f"  {NO_BACKUP} / ddp-gloo-2  {median[NO_BACKUP][0] / ddp[0]:.2f}x  (no undo, as DDP)"
-        )
-        print(
-            f"  {HANDED_OFF} / ddp-gloo-2  {median[HANDED_OFF][0] / ddp[0]:.2f}x  (the floor "
-            "of a free event loop)"
-        )
+        rates = {key: [row[0] for row in rows] for key, rows in figures.items()}
+        for top, note in (
+            ("asyncddp-2proc", "(target >= 1.0x)"),
+            (NO_BACKUP, "(no undo, as DDP)"),
+            (HANDED_OFF, "(the floor of a free event loop)"),
+        ):
+            line = ratio_line(top, "ddp-gloo-2", rates[top], rates["ddp-gloo-2"], False)
+            print(f"  {line}  {note}")
         print(f"  CPU a step, asyncddp over DDP: {ours[1] - ddp[1]:+.2f} ms (rank 0's process)")
 
 

@@ -12,7 +12,9 @@ What is left of the step's wall time is the time between two steps' jobs: the ha
 workers and back, the event loop's own work on the step's results, and a copy made ahead that
 outlasts it.
 
-Each piece is the median over the steps of its time on any worker, in ms; so is the time
+Everything is timed in the second epoch of a fit, the first one warming up the threads the fit
+started (see throughput.py). Each piece is the median over the steps of its time on any worker,
+in ms; so is the time
 between two steps' jobs (from the last job of one step to end to the first of the next to
 start). The step's wall time is the epoch's time over its steps in the same run, timers
 included (they cost a few microseconds each); it is a mean, so it also carries the slow steps
@@ -86,12 +88,14 @@ async def measure(devices: int, steps: int) -> dict[str, float]:
     trainer = asyncddp.Trainer(
         mlp(), SGD, step, devices=asyncddp.cpu_devices(devices), progress_bar=False
     )
-    await trainer.fit(batches[:3], epochs=1)  # warm-up
     restore = timing(spans)
     try:
-        result = await trainer.fit(batches, epochs=2)
+        result = await trainer.fit(batches, epochs=2)  # the first epoch warms the threads up
     finally:
         restore()
+    for recorded in spans.values():  # the second epoch's: the later half, each epoch
+        recorded.sort(key=lambda span: span[1])  # recording as many of every piece
+        del recorded[: len(recorded) // 2]
     figures = {}
     for piece, recorded in spans.items():
         if piece == "meetings":  # two a step on each worker: their sum, step by step

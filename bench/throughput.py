@@ -15,6 +15,11 @@ number of CPU threads in all (``torch.get_num_threads()``, all cores by default)
 - asyncddp-1: ``Trainer`` on one device (its worker gets every thread): the overhead target;
 - asyncddp-1-noatomic: the same with ``atomic_steps=False``: no copy of the parameters and
               optimizer state before each step (a plain loop, Lightning and DDP keep none);
+- asyncddp-1-first-epoch: asyncddp-1's first epoch of a fit, its worker threads just started
+              (every other figure is a step on warm threads, see below);
+- asyncddp-1-main-team: asyncddp-1 in a program whose main thread ran a parallel op first (set
+              up a model or data with torch), and so holds an idle OpenMP team: the case of
+              most real programs (see asyncddp/_openmp.py);
 - asyncddp-N: ``Trainer`` on ``cpu_devices(N)``, the threads shared among the workers;
 - halves-2:   the compute alone of a 2-way data-parallel step: two threads, one intra-op thread
               each, the forward and backward of half the batch each, in step (a barrier a step),
@@ -23,11 +28,17 @@ number of CPU threads in all (``torch.get_num_threads()``, all cores by default)
 - ddp-gloo-2: ``DistributedDataParallel`` over gloo, 2 processes on localhost, half the batch
               and half the threads each.
 
+Each contender first trains one untimed pass over the same batches on the very threads it is
+then timed on, so that every figure is a step in steady state. A thread's first steps are slow
+(measured on the MLP, one device: the first 20 steps of a fit 4.7 ms a job, the next ones 3.65),
+and a fit starts worker threads of its own: timed from its first step, a fit's first epoch of
+60 steps ran 0.3-1.1 ms a step slower than its later epochs. That cost, paid once a fit, is a
+figure of its own (``asyncddp-1-first-epoch``).
 Each figure is the median of several rounds of training samples per second, rounds interleaved.
-Every measurement runs in a fresh process of its own: a plain loop in the main thread leaves an
-OpenMP thread team spinning that slows any other thread's team in the same process (measured:
-asyncddp on one device ran 30-90% slower after a plain loop in the same process, -4 to +2% alone),
-and a real program runs one of them, not both.
+Every measurement runs in a fresh process of its own, and a real program runs one of them, not
+both: a loop on one thread leaves an idle OpenMP team behind, and GNU OpenMP slows every team of
+the process once their threads outnumber the cores (asyncddp/_openmp.py; before asyncddp let the
+caller's idle team go, it ran 30-90% slower after a plain loop in the same process).
 Targets: asyncddp-2 >= 0.95x plain and >= 1.5x ddp-gloo-2; asyncddp-1 at most 3% slower than plain.
 """
 
@@ -106,7 +117,7 @@ def plain(make: Callable[[], nn.Module], batches: list[Any]) -> float:
     torch.manual_seed(0)
     model = make()
     optimizer = SGD(model.parameters())
-    train(model, optimizer, batches[:3])  # warm-up
+    train(model, optimizer, batches)  # warm-up: the same pass, untimed
     start = time.perf_counter()
     train(model, optimizer, batches)
     return len(batches) * BATCH / (time.perf_counter() - start)
@@ -156,7 +167,7 @@ async def handed_off(make: Callable[[], nn.Module], batches: list[Any]) -> float
     optimizer = SGD(model.parameters())
     worker = HandOff()
     try:
-        for batch in batches[:3]:  # warm-up
+        for batch in batches:  # warm-up: the same pass on the same thread, untimed
             await worker.run(functools.partial(train, model, optimizer, [batch]))
         start = time.perf_counter()
         for batch in batches:
@@ -176,7 +187,8 @@ def halves(make: Callable[[], nn.Module], batches: list[Any]) -> float:
 
     def run(i: int) -> None:
         torch.set_num_threads(1)  # per thread, as asyncddp's CPU workers do
-        for batch in shards[i][:3]:  # warm-up
+        for batch in shards[i]:  # warm-up: the same pass, untimed
+            models[i].zero_grad()
             step(models[i], batch).backward()
         barrier.wait()
         start = time.perf_counter()
@@ -200,17 +212,19 @@ async def with_asyncddp(
     devices: asyncddp.DeviceSpec,
     *,
     atomic_steps: bool = True,
+    first_epoch: bool = False,
 ) -> float:
-    """Samples per second; an int is that many CPU workers, anything else a device spec."""
+    """Samples per second of a fit's second epoch (its threads warm, as the other contenders'
+    are), or with ``first_epoch`` of its first one (threads just started); an int is that many
+    CPU workers, anything else a device spec."""
     torch.manual_seed(0)
     spec = asyncddp.cpu_devices(devices) if isinstance(devices, int) else devices
     trainer = asyncddp.Trainer(
         make(), SGD, step, devices=spec, atomic_steps=atomic_steps, progress_bar=False
     )
-    await trainer.fit(batches[:3], epochs=1)  # warm-up: threads, replicas, first steps
-    result = await trainer.fit(batches, epochs=2)
-    # The epoch's own time: the loop over the batches, without the session's start and end.
-    return len(batches) * BATCH / result.history[-1].seconds
+    result = await trainer.fit(batches, epochs=2)  # the first epoch is the warm-up
+    # An epoch's own time: the loop over the batches, without the session's start and end.
+    return len(batches) * BATCH / result.history[0 if first_epoch else -1].seconds
 
 
 def _ddp_rank(
@@ -233,31 +247,44 @@ def _ddp_rank(
         model = DistributedDataParallel(WORKLOADS[workload][0]())
         optimizer = SGD(model.parameters())
         batches = [(x[rank::2], y[rank::2]) for x, y in make_batches(shape, steps)]
-        train(model, optimizer, batches[:3])  # warm-up
-        dist.barrier()
-        start, cpu = time.perf_counter(), time.process_time()
-        if handoff:  # each step handed from an event loop to a worker thread, and awaited
-            asyncio.run(_train_handed_off(model, optimizer, batches))
-        else:
-            train(model, optimizer, batches)
-        cpu = time.process_time() - cpu  # before the barrier: its wait is not the step's
-        dist.barrier()
+        seconds, cpu = asyncio.run(_timed_pass(model, optimizer, batches, handoff, dist.barrier))
         if rank == 0:
-            samples_per_second = len(batches) * BATCH / (time.perf_counter() - start)
-            results.put((samples_per_second, 1e3 * cpu / len(batches)))
+            results.put((len(batches) * BATCH / seconds, 1e3 * cpu / len(batches)))
     finally:
         dist.destroy_process_group()
 
 
-async def _train_handed_off(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any]
-) -> None:
-    worker = HandOff()
-    try:
+async def _timed_pass(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[Any],
+    handoff: bool,
+    barrier: Callable[[], Any],
+) -> tuple[float, float]:
+    """One untimed pass over ``batches`` (the warm-up), then one timed between barriers of the
+    ranks: seconds, and this process's CPU seconds (every thread's). With ``handoff`` each step
+    is handed from the event loop to a worker thread (the same one both times) and awaited;
+    without, the loop trains in the event loop's thread, blocking it, as a plain script does."""
+    worker = HandOff() if handoff else None
+
+    async def run() -> None:
+        if worker is None:
+            train(model, optimizer, batches)
+            return
         for batch in batches:
             await worker.run(functools.partial(train, model, optimizer, [batch]))
+
+    try:
+        await run()
+        barrier()
+        start, cpu = time.perf_counter(), time.process_time()
+        await run()
+        cpu = time.process_time() - cpu  # before the barrier: its wait is not the step's
+        barrier()
+        return time.perf_counter() - start, cpu
     finally:
-        worker.close()
+        if worker is not None:
+            worker.close()
 
 
 def ddp_gloo(
@@ -331,14 +358,23 @@ async def measure(contender: str, workload: str, steps: int) -> float:
         return halves(make, batches)
     if contender == "asyncddp-1-noatomic":
         return await with_asyncddp(make, batches, 1, atomic_steps=False)
+    if contender == FIRST_EPOCH:
+        return await with_asyncddp(make, batches, 1, first_epoch=True)
+    if contender == MAIN_TEAM:
+        torch.ones(1 << 22).add_(1)  # a parallel op: the main thread's OpenMP team starts
+        return await with_asyncddp(make, batches, 1)
     return await with_asyncddp(make, batches, int(contender.rsplit("-", 1)[1]))
 
 
+FIRST_EPOCH = "asyncddp-1-first-epoch"
+MAIN_TEAM = "asyncddp-1-main-team"
 CONTENDERS = (
     "plain",
     "handoff-1",
     "asyncddp-1",
     "asyncddp-1-noatomic",
+    FIRST_EPOCH,
+    MAIN_TEAM,
     "asyncddp-2",
     "halves-2",
     "ddp-gloo-2",
@@ -353,6 +389,8 @@ RATIOS = (
     ("asyncddp-1", "plain", True, "(target <= +3%)"),
     ("asyncddp-1-noatomic", "plain", True, "(no step backup, as the plain loop)"),
     ("handoff-1", "plain", True, "(the floor of a free event loop)"),
+    (FIRST_EPOCH, "asyncddp-1", True, "(a fit's first epoch: its threads just started)"),
+    (MAIN_TEAM, "asyncddp-1", True, "(the main thread ran a parallel op first)"),
 )
 
 
@@ -395,15 +433,31 @@ async def main() -> None:
         median = {key: statistics.median(values) for key, values in figures.items()}
         print(f"\n{name}")
         for key, value in median.items():
-            print(f"  {key:<19} {value:>9.0f} samples/s  ({1e3 * BATCH / value:6.2f} ms/step)")
+            print(f"  {key:<22} {value:>9.0f} samples/s  ({1e3 * BATCH / value:6.2f} ms/step)")
         for top, bottom, per_step, note in RATIOS:
             if top not in median or bottom not in median:
                 continue
-            if per_step:
-                slower = median[bottom] / median[top] - 1
-                print(f"  {top} per step vs {bottom}: {slower:+.1%}  {note}")
-            else:
-                print(f"  {top} / {bottom}  {median[top] / median[bottom]:.2f}x  {note}")
+            print(f"  {ratio_line(top, bottom, figures[top], figures[bottom], per_step)}  {note}")
+
+
+def ratio_line(
+    top: str, bottom: str, tops: list[float], bottoms: list[float], per_step: bool
+) -> str:
+    """``top`` against ``bottom`` (samples per second of the same rounds), as the median of the
+    rounds' own ratios (a round runs every contender once, back to back: the VM's slow drift
+    cancels out), with the spread of those ratios (their quartiles, from 4 rounds on)."""
+    if per_step:  # how much slower a step of top is
+        ratios = [b / t - 1 for t, b in zip(tops, bottoms, strict=True)]
+        text = f"{top} per step vs {bottom}: {statistics.median(ratios):+.1%}"
+        spread = "{:+.1%}..{:+.1%}"
+    else:
+        ratios = [t / b for t, b in zip(tops, bottoms, strict=True)]
+        text = f"{top} / {bottom}  {statistics.median(ratios):.2f}x"
+        spread = "{:.2f}..{:.2f}x"
+    if len(ratios) >= 4:
+        low, _, high = statistics.quantiles(ratios, n=4)
+        text += f" (rounds' quartiles {spread.format(low, high)})"
+    return text
 
 
 if __name__ == "__main__":
