@@ -11,10 +11,13 @@ then takes the count over the cores (measured: one CPU device on 2 cores, the ML
 the same loop on the main thread alone runs at full speed.
 
 :func:`release_idle_threads` lets the calling thread's idle team go (OpenMP 5.0's
-``omp_pause_resource`` for the host, which libgomp implements for the calling thread only: other
-threads' teams, such as other workers', are untouched). A later parallel op on that thread
-starts a new team, in about a tenth of a millisecond. Anything else (another OpenMP runtime,
-no OpenMP, a platform without ``/proc``) is left as it is.
+``omp_pause_resource_all``, which libgomp implements for the calling thread only: other threads'
+teams, such as other workers', are untouched; inside a parallel region it refuses). A later
+parallel op on that thread starts a new team, in about a tenth of a millisecond. Anything else
+(another OpenMP runtime, no OpenMP, a platform without ``/proc``) is left as it is, and so is a
+process forked from one that had a team: libgomp keeps no record of the fork, and in the child
+the pause would wait forever for helper threads that were not copied (the child's workers start
+teams of their own, as before).
 """
 
 from __future__ import annotations
@@ -29,8 +32,18 @@ import torch
 
 __all__ = ["release_idle_threads"]
 
-_LIBGOMP = re.compile(r"libgomp[-\w]*\.so")  # libgomp.so.1, torch.libs' libgomp-a34b3233.so.1
+# libgomp.so.1, or torch.libs' libgomp-a34b3233.so.1; not its offloading plugins
+_LIBGOMP = re.compile(r"libgomp(-[0-9a-f]+)?\.so")
 _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: the runtime's state may be kept, its threads not
+_forked = False  # this process is a fork's child: its teams' helper threads are not here
+
+
+def _after_fork_in_child() -> None:
+    global _forked
+    _forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def release_idle_threads() -> bool:
@@ -39,6 +52,8 @@ def release_idle_threads() -> bool:
     Returns whether the runtime did (it refuses inside a parallel region); False where there
     is nothing to do it with. Never raises.
     """
+    if _forked:
+        return False
     pause = _pause()
     return pause is not None and pause() == 0
 
@@ -50,14 +65,13 @@ def _pause() -> Callable[[], int] | None:
         return None
     try:
         library = ctypes.CDLL(path)  # already loaded (by torch): the same copy, not another
-        pause = library.omp_pause_resource  # OpenMP 5.0: GCC 9 and later
-        host = library.omp_get_initial_device
+        # OpenMP 5.0, GCC 9 and later. Not omp_pause_resource: naming the host device by
+        # omp_get_initial_device() makes a recent libgomp look for offloading plugins.
+        pause = library.omp_pause_resource_all
     except (OSError, AttributeError):
         return None
-    pause.argtypes, pause.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    host.argtypes, host.restype = [], ctypes.c_int
-    device = host()
-    return lambda: int(pause(_OMP_PAUSE_SOFT, device))
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return lambda: int(pause(_OMP_PAUSE_SOFT))
 
 
 def _loaded_libgomp() -> str | None:
@@ -74,7 +88,7 @@ def _loaded_libgomp() -> str | None:
             }
     except OSError:
         return None
-    package = os.path.dirname(torch.__file__)
+    package = os.path.realpath(os.path.dirname(torch.__file__))  # the maps' paths are real
     torchs = {path for path in paths if path.startswith((package + os.sep, package + ".libs"))}
     for found in (torchs, paths):
         if len(found) == 1:

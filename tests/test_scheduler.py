@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextvars
 import gc
+import multiprocessing
 import os
 import pickle
 import statistics
@@ -670,26 +671,44 @@ def _tasks() -> set[int]:
 
 def _in_a_thread_with_a_team(then: Any) -> tuple[set[int], set[int]]:
     """In a new thread: start its OpenMP team (a parallel op, 2 threads), then call ``then()``.
-    Returns the team's helper threads and the process's threads after ``then()``."""
+    Returns the team's helper threads and the process's threads after ``then()`` (the pause
+    joins the helpers it lets go before it returns)."""
     out: list[tuple[set[int], set[int]]] = []
+    errors: list[BaseException] = []
     callers = torch.get_num_threads()
 
     def main() -> None:
         torch.set_num_threads(2)  # this thread's own team: 2 threads, 1 of them a helper
-        before = _tasks()
-        torch.ones(1 << 22).add_(1)  # a parallel op starts the team
-        team = _tasks() - before
-        then()
-        deadline = time.monotonic() + 5
-        while team & _tasks() and time.monotonic() < deadline:
-            time.sleep(0.01)  # a released helper thread may take a moment to exit
-        out.append((team, _tasks()))
-        torch.set_num_threads(callers)  # what threads started later get, as before
+        try:
+            before = _tasks()
+            torch.ones(1 << 22).add_(1)  # a parallel op starts the team
+            team = _tasks() - before
+            then()
+            out.append((team, _tasks()))
+        except BaseException as error:
+            errors.append(error)
+        finally:
+            torch.set_num_threads(callers)  # what threads started later get, as before
 
     thread = threading.Thread(target=main)
     thread.start()
     thread.join()
-    return out[0]
+    if errors:
+        raise errors[0]
+    team, after = out[0]
+    if not team:
+        pytest.skip("the parallel op started no helper thread (OMP_THREAD_LIMIT=1?)")
+    return team, after
+
+
+def _loaded_libgomps() -> set[str]:
+    with open("/proc/self/maps") as maps:
+        return {
+            path
+            for line in maps
+            if "/libgomp" in line
+            and _openmp._LIBGOMP.match(os.path.basename(path := line.split(maxsplit=5)[-1].strip()))
+        }
 
 
 needs_libgomp = pytest.mark.skipif(
@@ -701,7 +720,6 @@ needs_libgomp = pytest.mark.skipif(
 def test_release_idle_threads_lets_the_calling_threads_openmp_team_go() -> None:
     released: list[bool] = []
     team, after = _in_a_thread_with_a_team(lambda: released.append(release_idle_threads()))
-    assert team, "the parallel op started no helper thread"
     assert released == [True]
     assert not team & after
 
@@ -709,13 +727,11 @@ def test_release_idle_threads_lets_the_calling_threads_openmp_team_go() -> None:
 @needs_libgomp
 def test_the_openmp_runtime_released_is_torchs_beside_other_packages_copies() -> None:
     pytest.importorskip("sklearn.cluster")  # scikit-learn's wheels ship a libgomp of their own
-    with open("/proc/self/maps") as maps:
-        loaded = {line.split()[-1] for line in maps if "/libgomp" in line}
+    loaded = _loaded_libgomps()
     if len(loaded) < 2:
         pytest.skip("only one libgomp is loaded here")
-    assert _openmp._loaded_libgomp() in {
-        path for path in loaded if path.startswith(os.path.dirname(torch.__file__))
-    }
+    package = os.path.realpath(os.path.dirname(torch.__file__))
+    assert _openmp._loaded_libgomp() in {path for path in loaded if path.startswith(package)}
 
 
 @needs_libgomp
@@ -725,13 +741,35 @@ def test_cpu_workers_of_several_threads_start_once_the_callers_idle_team_is_gone
 ) -> None:
     # The workers' teams and the caller's together would outnumber the cores: libgomp would
     # stop busy-waiting, and the workers' ops would slow down (see asyncddp._openmp).
-    async def run() -> None:
-        async with StepScheduler(cpu_devices(1), threads_per_worker=threads) as scheduler:
-            result = await scheduler.run(
-                lambda ctx, shard: torch.ones(1 << 22).add_(1).sum(), [None]
-            )
-            assert result.outputs[0].item() == 2 * (1 << 22)
-
-    team, after = _in_a_thread_with_a_team(lambda: anyio.run(run))
-    assert team
+    team, after = _in_a_thread_with_a_team(lambda: anyio.run(_one_parallel_job, threads))
     assert (not team & after) is released
+
+
+async def _one_parallel_job(threads: int) -> float:
+    async with StepScheduler(cpu_devices(1), threads_per_worker=threads) as scheduler:
+        result = await scheduler.run(lambda ctx, shard: torch.ones(1 << 22).add_(1).sum(), [None])
+    total = float(result.outputs[0])
+    assert total == 2 * (1 << 22)
+    return total
+
+
+def _fork_child_runs_a_job(results: Any) -> None:
+    results.put(anyio.run(_one_parallel_job, 2))
+
+
+@needs_libgomp
+def test_a_forked_child_of_a_thread_with_a_team_runs_cpu_workers() -> None:
+    # libgomp keeps no record of a fork: in the child, the forking thread's team is a record of
+    # helper threads that were not copied, and a pause would wait for them forever.
+    torch.ones(1 << 22).add_(1)  # this thread's team, if it has none yet
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    child = context.Process(target=_fork_child_runs_a_job, args=(results,), daemon=True)
+    child.start()
+    child.join(timeout=30)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail("the forked child hung starting its CPU workers")
+    assert child.exitcode == 0
+    assert results.get(timeout=5) == 2 * (1 << 22)
