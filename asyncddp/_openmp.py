@@ -3,12 +3,12 @@
 PyTorch's CPU ops run on OpenMP: the first parallel op on a thread starts a team of helper
 threads for it, which stay, idle, for the thread's lifetime. GNU OpenMP (libgomp, which the
 PyTorch wheels for Linux ship) counts the helper threads of every team in the process, and once
-they outnumber the cores it stops busy-waiting between parallel ops: every op then wakes its
-team from sleep, and the ops of a step slow down. A program whose main thread ran one parallel
-op (a model's set-up, a dataset turned into tensors) holds such a team. A CPU worker's own team
-then takes the count over the cores (measured: one CPU device on 2 cores, the MLP of
-``bench/throughput.py``, 20-35% slower a step, its threads sleeping a fifth of the time), while
-the same loop on the main thread alone runs at full speed.
+they outnumber the cores it all but stops busy-waiting between parallel ops (100 spins, not
+300,000): every op then wakes its team from sleep, and the ops of a step slow down. A program
+whose main thread ran one parallel op (a model's set-up, a dataset turned into tensors) holds
+such a team. A CPU worker's own team then takes the count over the cores (measured: one CPU
+device on 2 cores, the MLP of ``bench/throughput.py``, 20-35% slower a step, its threads
+sleeping a fifth of the time), while the same loop on the main thread alone runs at full speed.
 
 :func:`release_idle_threads` lets the calling thread's idle team go (OpenMP 5.0's
 ``omp_pause_resource_all``, which libgomp implements for the calling thread only: other threads'

@@ -234,7 +234,7 @@ class StepScheduler:
             rather than each starting a full thread pool and oversubscribing the machine.
             Before CPU workers of more than one thread start, the calling thread lets go of
             its idle OpenMP threads (GNU OpenMP on Linux), which would otherwise slow the
-            workers' ops (see the docs' "CPU threads").
+            workers' ops (see "The caller's idle OpenMP threads" in the docs' concepts).
     """
 
     def __init__(

@@ -14,9 +14,8 @@ outlasts it.
 
 Everything is timed in the second epoch of a fit, the first one warming up the threads the fit
 started (see throughput.py). Each piece is the median over the steps of its time on any worker,
-in ms; so is the time
-between two steps' jobs (from the last job of one step to end to the first of the next to
-start). The step's wall time is the epoch's time over its steps in the same run, timers
+in ms; so is the time between two steps' jobs (from the last job of one step to end to the first
+of the next to start). The step's wall time is the epoch's time over its steps in the same run, timers
 included (they cost a few microseconds each); it is a mean, so it also carries the slow steps
 that medians leave out.
 """
