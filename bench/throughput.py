@@ -165,16 +165,8 @@ async def handed_off(make: Callable[[], nn.Module], batches: list[Any]) -> float
     torch.manual_seed(0)
     model = make()
     optimizer = SGD(model.parameters())
-    worker = HandOff()
-    try:
-        for batch in batches:  # warm-up: the same pass on the same thread, untimed
-            await worker.run(functools.partial(train, model, optimizer, [batch]))
-        start = time.perf_counter()
-        for batch in batches:
-            await worker.run(functools.partial(train, model, optimizer, [batch]))
-        return len(batches) * BATCH / (time.perf_counter() - start)
-    finally:
-        worker.close()
+    seconds, _ = await _timed_pass(model, optimizer, batches, True, lambda: None)
+    return len(batches) * BATCH / seconds
 
 
 def halves(make: Callable[[], nn.Module], batches: list[Any]) -> float:
@@ -261,8 +253,8 @@ async def _timed_pass(
     handoff: bool,
     barrier: Callable[[], Any],
 ) -> tuple[float, float]:
-    """One untimed pass over ``batches`` (the warm-up), then one timed between barriers of the
-    ranks: seconds, and this process's CPU seconds (every thread's). With ``handoff`` each step
+    """One untimed pass over ``batches`` (the warm-up), then one timed between ``barrier()``
+    calls (the ranks', if any): seconds, and this process's CPU seconds (every thread's). With ``handoff`` each step
     is handed from the event loop to a worker thread (the same one both times) and awaited;
     without, the loop trains in the event loop's thread, blocking it, as a plain script does."""
     worker = HandOff() if handoff else None
