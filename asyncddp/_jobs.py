@@ -22,7 +22,7 @@ from . import _comm
 from ._comm import Comm, Global
 from ._data import move_to
 from ._replica import Replica, StepFunction, loss_and_metrics
-from ._sync import all_gather, clip_coefficient, reduce_scatter
+from ._sync import all_gather, all_reduce_chunk, clip_coefficient, reduce_scatter, scale_grads
 from ._worker import WorkerContext, after_job
 
 __all__ = [
@@ -174,12 +174,17 @@ class Jobs:
         valid_step: StepFunction,
         autocast: torch.dtype | None,
         check_finite: bool = False,
+        *,
+        across_ranks: bool = False,
     ) -> None:
         self.replicas = replicas
         self.step = step
         self.valid_step = valid_step
         self.autocast = autocast
         self.check_finite = check_finite
+        # In a process group, the reduced chunks go through scratch buffers that the ranks
+        # exchange before the replicas take them (see asyncddp/_sync.py).
+        self.across_ranks = across_ranks
 
     def _forward(self, fn: StepFunction, replica: Replica, shard: Any, ctx: WorkerContext) -> Any:
         batch = move_to(shard, ctx.torch_device, non_blocking=True)
@@ -223,17 +228,22 @@ class Jobs:
         return Sums(items, float(loss) * items, {k: float(v) * items for k, v in metrics.items()})
 
     def reduce(self, ctx: WorkerContext, work: tuple[float, bool, bool]) -> tuple[float, bool]:
+        """This device's chunk of the all-reduce: into every replica (in one process), or into
+        its scratch buffer for the ranks to exchange (in a process group)."""
         scale, want_norm, want_finite = work
         grads = [replica.grads for replica in self.replicas]
-        return reduce_scatter(
-            grads, ctx.device.index, scale, want_norm=want_norm, want_finite=want_finite
-        )
+        reduce = reduce_scatter if self.across_ranks else all_reduce_chunk
+        return reduce(grads, ctx.device.index, scale, want_norm=want_norm, want_finite=want_finite)
 
     def apply(self, ctx: WorkerContext, work: ApplyWork) -> float | None:
-        """All-gather the reduced gradients, then take the optimizer step."""
+        """Take the reduced gradients (clipped), then the optimizer step. Every device's
+        reduce must be done: in a process group this gathers the exchanged chunks."""
         index = ctx.device.index
         replica = self.replicas[index]
-        all_gather([r.grads for r in self.replicas], index, work.coefficient)
+        if self.across_ranks:
+            all_gather([r.grads for r in self.replicas], index, work.coefficient)
+        else:
+            scale_grads(replica.grads, work.coefficient)
         if work.atomic:
             replica.backup.capture(replica.params, replica.optimizer, replica.scheduler)
         for unused in work.unused:
@@ -264,12 +274,14 @@ class Jobs:
         self, ctx: WorkerContext, work: FusedWork
     ) -> tuple[Sums, float | None] | None:
         """Forward, backward, the reduce and the optimizer step in one job: one hand-off per
-        step. With several devices, the jobs meet once every device's gradients are in (then
-        each reduces its chunk) and once every chunk is reduced (then each gathers and steps).
+        step, in one process. With several devices, the jobs meet once every device's
+        gradients are in (then each reduces its chunk into every replica) and once every chunk
+        is reduced (then each steps).
 
         Returns ``None`` if another device's job failed before the step: that one reports.
         A failure is tagged with its phase (``_asyncddp_phase``) for the trainer.
         """
+        assert not self.across_ranks, "a step across ranks runs as distributed_step"
         meeting = work.meeting
         index = ctx.device.index
         replica = self.replicas[index]
@@ -284,7 +296,7 @@ class Jobs:
                 grads, own = [r.grads for r in self.replicas], index
                 used = [any(flags) for flags in zip(*(r.used for r in self.replicas), strict=True)]
             want_norm = work.clip is not None
-            norm_sq, _ = reduce_scatter(grads, own, work.scale, want_norm=want_norm)
+            norm_sq, _ = all_reduce_chunk(grads, own, work.scale, want_norm=want_norm)
             apply = work.apply
             if meeting is not None and apply.atomic and self._backup_in_parts():
                 phase = "optimizer"
@@ -296,7 +308,9 @@ class Jobs:
                 )
                 apply = dataclasses.replace(apply, atomic=False)  # backed up
             if meeting is not None:
-                norm_sq = meeting.total_norm_sq(ctx, norm_sq)  # and every chunk is reduced
+                # Every chunk is reduced into every replica: from here on none is written but
+                # by its own worker (an optimizer may write .grad in place).
+                norm_sq = meeting.total_norm_sq(ctx, norm_sq)
             coefficient = 1.0
             if work.clip is not None:
                 coefficient = clip_coefficient(math.sqrt(norm_sq), work.clip)

@@ -10,17 +10,21 @@ hands over the gradients it computed instead of adding them into zeroed buffers 
 backup copied ahead, one device went from +26.5% to +14.7% of a plain loop on the benchmarks'
 MLP: ``python bench/ab.py 4953c32``, in docs/benchmarks.md).
 
-The in-process all-reduce runs on the devices' own workers, in two steps, so that every device
-works on it at once:
+The in-process all-reduce runs on the devices' own workers, every device at once, in one pass
+(:func:`all_reduce_chunk`): worker ``i`` sums chunk ``i`` of every replica's buffer, scales it
+(item weighting, loss-scale undo), writes the sum into chunk ``i`` of every replica, and
+reports its squared norm and whether it is finite. Each chunk is read once from every replica
+and written once into every one: the bytes of ``n`` copies, the least an all-reduce of ``n``
+buffers in one memory can move. The workers then meet (or the step's jobs end) before any
+optimizer step: optimizers may write ``.grad`` in place (SGD with Nesterov momentum does, with
+``foreach``), so no worker may touch a peer's buffer once that peer steps. Within the pass the
+workers write disjoint chunks, so it needs no locks.
 
-1. **reduce-scatter**: worker ``i`` sums chunk ``i`` of every replica's buffer into a scratch
-   buffer of its own, scales it (item weighting, loss-scale undo), and reports its squared norm
-   and whether it is finite;
-2. **all-gather**: worker ``j`` copies every scratch chunk into its own buffer, times the
-   clipping coefficient, before its optimizer step.
-
-Owners never write what others read within a step, so the two steps need no locks, only the
-step boundary between them.
+Across processes a reduced chunk is exchanged with the other ranks before the replicas take it,
+and so the two steps are apart there: :func:`reduce_scatter` sums each chunk into a scratch
+buffer of its owner, the ranks all-reduce the scratch buffers, and :func:`all_gather` copies
+every scratch chunk into each replica's buffer (peers read scratch buffers, never a live
+``.grad``).
 """
 
 from __future__ import annotations
@@ -37,9 +41,13 @@ __all__ = [
     "FlatGrads",
     "StepBackup",
     "all_finite",
+    "all_gather",
+    "all_reduce_chunk",
     "bucket_layout",
     "chunk_bounds",
     "clip_coefficient",
+    "reduce_scatter",
+    "scale_grads",
     "squared_norm",
 ]
 
@@ -105,14 +113,8 @@ class FlatGrads:
                 self._views.append((param, view))
                 offset += param.numel()
             self.buffers.append(buffer)
-        self.scratch = [
-            torch.empty(
-                chunk_bounds(b.numel(), parts, index)[1] - chunk_bounds(b.numel(), parts, index)[0],
-                dtype=b.dtype,
-                device=b.device,
-            )
-            for b in self.buffers
-        ]
+        # This replica's reduced chunks across processes (see reduce_scatter): made there.
+        self.scratch: list[torch.Tensor] = []
         self.attach()
 
     @property
@@ -144,9 +146,80 @@ class FlatGrads:
         for buffer in self.buffers:
             buffer.zero_()
 
+    def own_scratch(self) -> list[torch.Tensor]:
+        """The scratch buffers for this replica's reduced chunks, made on first use."""
+        if not self.scratch and self.parts > 1:
+            self.scratch = [
+                torch.empty_like(self.chunk(b, self.index)) for b in range(len(self.buffers))
+            ]
+        return self.scratch
+
     def chunk(self, buffer: int, owner: int) -> torch.Tensor:
         start, stop = chunk_bounds(self.buffers[buffer].numel(), self.parts, owner)
         return self.buffers[buffer][start:stop]
+
+
+def _checks(
+    reduced: Sequence[torch.Tensor], want_norm: bool, want_finite: bool
+) -> tuple[float, bool]:
+    """The squared norm of ``reduced`` (0.0 unless ``want_norm``) and whether it is all finite
+    (True unless ``want_finite``): each is one more pass over it, so only what clipping or
+    loss scaling needs is computed."""
+    if want_norm:
+        norm_sq = squared_norm(reduced)
+        return norm_sq, math.isfinite(norm_sq)  # an inf or NaN anywhere makes the norm one
+    return 0.0, all_finite(reduced) if want_finite else True
+
+
+def _scale_lone(own: FlatGrads, scale: float) -> list[torch.Tensor]:
+    """A single replica has no peers: it scales its own gradients in place."""
+    reduced = own.tensors()  # a loose replica's: one tensor a parameter, one fused op
+    if scale != 1.0 and reduced:
+        torch._foreach_mul_(reduced, scale)
+    return reduced
+
+
+def all_reduce_chunk(
+    replicas: Sequence[FlatGrads],
+    index: int,
+    scale: float,
+    *,
+    want_norm: bool,
+    want_finite: bool = False,
+) -> tuple[float, bool]:
+    """Worker ``index``'s share of the in-process all-reduce: sum chunk ``index`` of every
+    replica's buffers, scale it, and write it into chunk ``index`` of every replica.
+
+    The sum is made in this worker's own replica's chunk (its own value first, then the
+    others' in replica order) and copied into the others'. Every worker must be done before
+    any replica steps (see the module's notes). Returns the reduced chunk's squared norm and
+    whether it is finite (see :func:`_checks`); the checks cover all of it, as each chunk has
+    one owner.
+    """
+    own = replicas[index]
+    if len(replicas) == 1:
+        return _checks(_scale_lone(own, scale), want_norm, want_finite)
+    reduced = []
+    for b in range(len(own.buffers)):
+        total = own.chunk(b, index)
+        device = total.device
+        for other in replicas:
+            if other is not own:
+                total.add_(other.chunk(b, index).to(device, non_blocking=True))
+        if scale != 1.0:
+            total.mul_(scale)
+        for other in replicas:
+            if other is not own:
+                other.chunk(b, index).copy_(total, non_blocking=True)
+        reduced.append(total)
+    return _checks(reduced, want_norm, want_finite)
+
+
+def scale_grads(grads: FlatGrads, coefficient: float) -> None:
+    """Multiply a replica's gradients by ``coefficient`` (clipping), after the all-reduce."""
+    tensors = grads.tensors()
+    if coefficient != 1.0 and tensors:
+        torch._foreach_mul_(tensors, coefficient)
 
 
 def reduce_scatter(
@@ -157,25 +230,21 @@ def reduce_scatter(
     want_norm: bool,
     want_finite: bool = False,
 ) -> tuple[float, bool]:
-    """Step 1 on worker ``index``: sum chunk ``index`` of every replica.
+    """Across processes, step 1 on worker ``index``: sum chunk ``index`` of every replica into
+    a scratch buffer of this replica's (see :meth:`FlatGrads.own_scratch`), for the ranks to
+    exchange and the replicas to take in :func:`all_gather`.
 
     The sum goes to a scratch buffer that peers read in the all-gather, while each owner may
     already be stepping its optimizer: optimizers may write ``.grad`` in place (SGD with
     Nesterov momentum does, with ``foreach``), so peers must never read another replica's live
-    ``.grad`` in that step (summing in place into the owner's chunk was tried and raced). A
-    single replica has no peers, and scales its own gradients in place.
-
-    Returns the squared norm of the reduced chunk (0.0 unless ``want_norm``) and whether it is
-    all finite (True unless ``want_finite``): each is one more pass over the chunk, so only
-    what clipping or loss scaling needs is computed.
+    ``.grad`` in that step. A single replica scales its own gradients in place. Returns what
+    :func:`_checks` does for the reduced chunk.
     """
     own = replicas[index]
     if len(replicas) == 1:
-        reduced = own.tensors()  # a loose replica's: one tensor a parameter, one fused op
-        if scale != 1.0 and reduced:
-            torch._foreach_mul_(reduced, scale)
+        reduced = _scale_lone(own, scale)
     else:
-        reduced = own.scratch
+        reduced = own.own_scratch()
         for b, scratch in enumerate(reduced):
             device = scratch.device
             torch.add(
@@ -187,10 +256,7 @@ def reduce_scatter(
                 scratch.add_(other.chunk(b, index).to(device, non_blocking=True))
             if scale != 1.0:
                 scratch.mul_(scale)
-    if want_norm:
-        norm_sq = squared_norm(reduced)
-        return norm_sq, math.isfinite(norm_sq)  # an inf or NaN anywhere makes the norm one
-    return 0.0, all_finite(reduced) if want_finite else True
+    return _checks(reduced, want_norm, want_finite)
 
 
 def _by_device(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -231,12 +297,11 @@ def squared_norm(tensors: Sequence[torch.Tensor]) -> float:
 
 
 def all_gather(replicas: Sequence[FlatGrads], index: int, coefficient: float) -> None:
-    """Step 2 on worker ``index``: fill its buffers from every owner's scratch, scaled."""
+    """Across processes, step 2 on worker ``index``: fill its buffers from every owner's
+    scratch (exchanged with the other ranks since :func:`reduce_scatter`), scaled."""
     own = replicas[index]
     if len(replicas) == 1:
-        tensors = own.tensors()
-        if coefficient != 1.0 and tensors:
-            torch._foreach_mul_(tensors, coefficient)
+        scale_grads(own, coefficient)
         return
     for b in range(len(own.buffers)):
         for owner, replica in enumerate(replicas):

@@ -540,7 +540,12 @@ class Trainer(Resumable):
 
     def _jobs(self) -> Jobs:
         return Jobs(
-            self._replicas, self._step_fn, self._valid_step_fn, self._autocast, self.check_finite
+            self._replicas,
+            self._step_fn,
+            self._valid_step_fn,
+            self._autocast,
+            self.check_finite,
+            across_ranks=self._distributed(),
         )
 
 

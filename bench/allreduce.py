@@ -1,11 +1,12 @@
-"""In-process gradient reduction: asyncddp's reduce-scatter + all-gather, against ``copy_``.
+"""In-process gradient reduction: asyncddp's all-reduce of n replicas, against ``copy_``.
 
 Run:  python bench/allreduce.py            (about a minute)
       python bench/allreduce.py --quick
 
 For n replicas on ``cpu_devices(n)`` holding ``size`` MB of float32 gradients each, one
-all-reduce is the two scheduler steps the Trainer runs (each worker sums its chunk of every
-replica, then copies every chunk back), timed end to end. The figure is *algorithm bandwidth*:
+all-reduce is what the Trainer runs in one process: every worker sums its chunk of every
+replica and writes the sum into every replica (``all_reduce_chunk``), one scheduler step timed
+end to end, its hand-offs included. The figure is *algorithm bandwidth*:
 the gradient bytes of one replica over the time, as NCCL reports it. The baseline is
 ``dst.copy_(src)`` of the same bytes in the same process (torch's own threads), the cheapest
 possible pass over them. Target: at least 0.5x the copy bandwidth.
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 import asyncddp
-from asyncddp._sync import FlatGrads, all_gather, reduce_scatter
+from asyncddp._sync import FlatGrads, all_reduce_chunk
 
 
 async def reduce_time(replicas: int, megabytes: int, repeats: int) -> float:
@@ -41,17 +42,13 @@ async def reduce_time(replicas: int, megabytes: int, repeats: int) -> float:
 
     def reduce(ctx: asyncddp.WorkerContext, _: None) -> None:
         # Scale 1.0: the trainer weights the loss before backward, so the sum is the mean.
-        reduce_scatter(grads, ctx.device.index, 1.0, want_norm=False)
-
-    def gather(ctx: asyncddp.WorkerContext, _: None) -> None:
-        all_gather(grads, ctx.device.index, 1.0)
+        all_reduce_chunk(grads, ctx.device.index, 1.0, want_norm=False)
 
     times = []
     async with asyncddp.StepScheduler(devices) as scheduler:
         for _ in range(repeats + 1):
             start = time.perf_counter()
             await scheduler.run(reduce, [None] * replicas)
-            await scheduler.run(gather, [None] * replicas)
             times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 

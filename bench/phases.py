@@ -5,7 +5,7 @@ Run:  python bench/phases.py            (about half a minute on 2 cores)
 
 Trains the MLP 512-1024-10 (global batch 256, SGD with momentum) on ``cpu_devices(n)`` for n in
 1 and 2, with timers wrapped around the pieces of a step's job on each worker: forward and
-backward, the waits at the devices' meetings, the reduce-scatter, the backup of the
+backward, the waits at the devices' meetings, the all-reduce (each worker's chunk), the backup of the
 parameters and optimizer state (``atomic_steps``; one device copies it ahead, after its job has
 reported, while the event loop handles the results), the optimizer step, and the whole job.
 What is left of the step's wall time is the time between two steps' jobs: the hand-off to the
@@ -39,7 +39,7 @@ from asyncddp import _jobs, _sync
 PIECES = {  # what is timed: (where it is, its name there)
     "forward+backward": (_jobs.Jobs, "train"),
     "meetings": (_jobs.Meeting, "wait"),
-    "reduce-scatter": (_jobs, "reduce_scatter"),
+    "all-reduce": (_jobs, "all_reduce_chunk"),
     "backup": (_sync.StepBackup, "capture"),
     "backup made ahead": (_sync.StepBackup, "prepare"),
     "optimizer step": (torch.optim.SGD, "step"),

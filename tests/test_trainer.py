@@ -1229,24 +1229,33 @@ def test_repr_says_where_training_stands() -> None:
     assert repr(trainer) == "<Trainer Sequential on cpu#0, cpu#1: epoch 0, step 0>"
 
 
-async def test_an_optimizer_that_writes_grad_in_place_cannot_race_the_gather(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("fused", [True, False], ids=["one-job", "phases-apart"])
+async def test_an_optimizer_that_writes_grad_in_place_cannot_race_the_reduce(
+    monkeypatch: pytest.MonkeyPatch, fused: bool
 ) -> None:
     # SGD with Nesterov momentum and foreach writes .grad in place during step(); a peer still
-    # gathering must not read it then. Slow one device's gather down to open the window wide.
+    # writing its reduced chunk into that replica must be done by then. Slow one device's
+    # reduce down to open the window wide. The phases run as jobs apart with a step_timeout.
     from asyncddp import _jobs
 
-    gather = _jobs.all_gather
+    reduce = _jobs.all_reduce_chunk
 
-    def slow_on_cpu0(replicas: Any, index: int, coefficient: float, **kwargs: Any) -> None:
+    def slow_on_cpu0(replicas: Any, index: int, *args: Any, **kwargs: Any) -> Any:
         if index == 0:
             time.sleep(0.05)
-        gather(replicas, index, coefficient, **kwargs)
+        return reduce(replicas, index, *args, **kwargs)
 
-    monkeypatch.setattr(_jobs, "all_gather", slow_on_cpu0)
+    monkeypatch.setattr(_jobs, "all_reduce_chunk", slow_on_cpu0)
     nesterov = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True, foreach=True)
     batches = make_batches([8, 8, 8])
-    trainer = Trainer(make_model(), nesterov, loss_step, devices=cpu_devices(2), progress_bar=False)
+    trainer = Trainer(
+        make_model(),
+        nesterov,
+        loss_step,
+        devices=cpu_devices(2),
+        progress_bar=False,
+        step_timeout=None if fused else 60.0,
+    )
     await trainer.fit(batches, epochs=1)
     assert_replicas_identical(trainer)
     assert_close(trainer.model, reference(batches, 1, nesterov))
