@@ -1,7 +1,8 @@
 """One optimizer step across the ranks of a process group (``asyncddp.distributed``).
 
-Within a rank a step runs as on one machine (forward and backward on every device, the
-in-process reduce-scatter); then one exchange with the other ranks (:mod:`._comm`): the header,
+Within a rank a step runs forward and backward on every device and sums their gradients (a
+reduce-scatter into each device's scratch buffer, as the exchanged chunks must not be live
+gradients, see :mod:`._sync`); then one exchange with the other ranks (:mod:`._comm`): the header,
 whose sums give every rank the step's global item count, loss, metrics, ``stop()`` requests and
 failures, then the gradient buckets. The gradients are summed over items (each device's loss is
 multiplied by its item count), so dividing the all-reduced sum by the global item count gives

@@ -252,9 +252,7 @@ class Jobs:
         replica.optimizer.step()
         if work.scheduler_step and replica.scheduler is not None:
             replica.scheduler.step()
-        # The gradients stay until the next step opens (zeroed; None for a lone replica):
-        # others may still be reading this replica's reduced chunk (in-place all-gather) until
-        # this step ends.
+        # The gradients stay until the next step opens (zeroed; None for a lone replica).
         replica.grads.attach()
         if work.atomic and replica.grads.loose and replica.device.type == "cpu":
             # One CPU device in one process: the next step's backup, copied while the event

@@ -4,8 +4,10 @@ A step is a *window* of one or more batches (``accumulate_grad_batches``):
 
 1. forward and backward of each batch on every device (``train`` jobs), gradients accumulating
    into each replica's flat buckets (one device alone: into its ``.grad``, nothing to reduce);
-2. reduce-scatter of the buckets (``reduce`` jobs): global norm, finite check;
-3. all-gather and optimizer step on every device (``apply`` jobs, shielded: all run to the end).
+2. all-reduce of the buckets (``reduce`` jobs: each device sums its chunk of every replica's
+   buckets into every replica): global norm, finite check;
+3. clipping and the optimizer step on every device (``apply`` jobs, shielded: all run to the
+   end).
 
 The window's last micro-step runs the three phases in one job a device (``train_and_step``),
 the devices' jobs meeting between them (:class:`Meeting`): one hand-off a step

@@ -13,12 +13,14 @@ MLP: ``python bench/ab.py 4953c32``, in docs/benchmarks.md).
 The in-process all-reduce runs on the devices' own workers, every device at once, in one pass
 (:func:`all_reduce_chunk`): worker ``i`` sums chunk ``i`` of every replica's buffer, scales it
 (item weighting, loss-scale undo), writes the sum into chunk ``i`` of every replica, and
-reports its squared norm and whether it is finite. Each chunk is read once from every replica
-and written once into every one: the bytes of ``n`` copies, the least an all-reduce of ``n``
-buffers in one memory can move. The workers then meet (or the step's jobs end) before any
-optimizer step: optimizers may write ``.grad`` in place (SGD with Nesterov momentum does, with
-``foreach``), so no worker may touch a peer's buffer once that peer steps. Within the pass the
-workers write disjoint chunks, so it needs no locks.
+reports its squared norm and whether it is finite. With 2 replicas each chunk is read once from
+each and written once into each: the bytes of 2 copies, the least an all-reduce of 2 buffers in
+one memory can move (each further replica adds a pass over the owner's chunk, which sums them).
+The workers then meet (or the step's jobs end) before any optimizer step: optimizers may write
+``.grad`` in place (SGD with Nesterov momentum does, with ``foreach``), so no worker may touch a
+peer's buffer once that peer steps. Within the pass the workers write disjoint chunks, so it
+needs no locks. (A first in-place version, in which each owner summed into its own chunk and the
+peers read it from there before stepping, raced with exactly that in-place write.)
 
 Across processes a reduced chunk is exchanged with the other ranks before the replicas take it,
 and so the two steps are apart there: :func:`reduce_scatter` sums each chunk into a scratch
@@ -159,6 +161,14 @@ class FlatGrads:
         return self.buffers[buffer][start:stop]
 
 
+def _async_copy(source: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether a copy between two devices' tensors may be asynchronous: between GPUs, where the
+    worker's stream orders it and the meeting's stream sync ends it. Not when either side is
+    the CPU: a CPU worker has no stream to wait on (and a copy from a GPU into pageable CPU
+    memory could be read before it lands)."""
+    return source.device.type == "cuda" and target.device.type == "cuda"
+
+
 def _checks(
     reduced: Sequence[torch.Tensor], want_norm: bool, want_finite: bool
 ) -> tuple[float, bool]:
@@ -205,12 +215,14 @@ def all_reduce_chunk(
         device = total.device
         for other in replicas:
             if other is not own:
-                total.add_(other.chunk(b, index).to(device, non_blocking=True))
+                chunk = other.chunk(b, index)
+                total.add_(chunk.to(device, non_blocking=_async_copy(chunk, total)))
         if scale != 1.0:
             total.mul_(scale)
         for other in replicas:
             if other is not own:
-                other.chunk(b, index).copy_(total, non_blocking=True)
+                chunk = other.chunk(b, index)
+                chunk.copy_(total, non_blocking=_async_copy(total, chunk))
         reduced.append(total)
     return _checks(reduced, want_norm, want_finite)
 
@@ -246,14 +258,13 @@ def reduce_scatter(
     else:
         reduced = own.own_scratch()
         for b, scratch in enumerate(reduced):
-            device = scratch.device
-            torch.add(
-                replicas[0].chunk(b, index).to(device, non_blocking=True),
-                replicas[1].chunk(b, index).to(device, non_blocking=True),
-                out=scratch,
-            )
-            for other in replicas[2:]:
-                scratch.add_(other.chunk(b, index).to(device, non_blocking=True))
+            chunks = [
+                chunk.to(scratch.device, non_blocking=_async_copy(chunk, scratch))
+                for chunk in (replica.chunk(b, index) for replica in replicas)
+            ]
+            torch.add(chunks[0], chunks[1], out=scratch)
+            for chunk in chunks[2:]:
+                scratch.add_(chunk)
             if scale != 1.0:
                 scratch.mul_(scale)
     return _checks(reduced, want_norm, want_finite)
@@ -306,7 +317,8 @@ def all_gather(replicas: Sequence[FlatGrads], index: int, coefficient: float) ->
     for b in range(len(own.buffers)):
         for owner, replica in enumerate(replicas):
             target = own.chunk(b, owner)
-            source = replica.scratch[b].to(target.device, non_blocking=True)
+            scratch = replica.scratch[b]
+            source = scratch.to(target.device, non_blocking=_async_copy(scratch, target))
             if coefficient != 1.0:
                 torch.mul(source, coefficient, out=target)
             else:

@@ -9,9 +9,10 @@ How one optimizer step runs (``accumulate_grad_batches`` batches, one by default
                                                         grads accumulate in flat buckets
                                                         (one device alone: in .grad, as a
                                                         plain loop; nothing to reduce)
-    run(reduce)  ─────────────────────────────────────► reduce-scatter: each device sums its
-      global norm for clipping, finite check for fp16   chunk of every replica's buckets
-    run(apply)   ─────────────────────────────────────► all-gather, clip, optimizer step
+    run(reduce)  ─────────────────────────────────────► all-reduce: each device sums its chunk
+      global norm for clipping, finite check for fp16   of every replica's buckets into every
+                                                        replica's
+    run(apply)   ─────────────────────────────────────► clip, optimizer step
     StepEnded event, progress bar, stop() check
 
 The loss weight makes the mean exact over items: device ``i`` with ``n_i`` of a step's ``N``

@@ -109,6 +109,16 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         ]
         report["global_step"] = result.global_step
         report["validate"] = await t.validate(batches(5, 10))
+    elif scenario.startswith("fit-then-join"):  # fit-then-join1, 2: devices per rank
+        # A fit in one process first (no group yet: the gradients are reduced in process, and
+        # every rank trains on every batch), then the trainer joins the group: the same
+        # replicas' gradients are then reduced across ranks.
+        t = trainer(int(scenario[-1]))
+        await t.fit(batches(), epochs=1)
+        asyncddp.distributed.init("gloo", timeout=120)
+        result = await t.fit(batches(), epochs=2)
+        report["global_step"] = result.global_step
+        report["params"] = [p.detach().clone() for p in t.model.parameters()]
     elif scenario.startswith("unseeded"):  # each rank's model starts from other weights
         # "unseeded-built": 2 devices per rank, their replicas built (by a checkpoint) before
         # the trainer joins the group; "unseeded-built-1": the same with 1 device per rank,
@@ -494,13 +504,15 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
 
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
-    world = asyncddp.distributed.init("gloo", timeout=120)
+    rank = int(os.environ["RANK"])
+    if not scenario.startswith("fit-then-join"):  # that one joins after a fit of its own
+        asyncddp.distributed.init("gloo", timeout=120)
     torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)  # torch's one-time import cost
     try:
-        report = asyncio.run(run(scenario, out, world.rank))
+        report = asyncio.run(run(scenario, out, rank))
     except BaseException as error:
-        report = {"rank": world.rank, "crash": traceback.format_exc(), "type": type(error).__name__}
-    torch.save(report, out / f"rank{world.rank}.pt")
+        report = {"rank": rank, "crash": traceback.format_exc(), "type": type(error).__name__}
+    torch.save(report, out / f"rank{rank}.pt")
     asyncddp.distributed.destroy()
     # Skip the interpreter's teardown: torch's gloo threads now and then abort the process
     # there ("terminate called without an active exception", about one run in five of this

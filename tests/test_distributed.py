@@ -163,6 +163,42 @@ def test_two_ranks_end_with_the_parameters_of_one_device(tmp_path: Path, devices
         assert report["validate"] == pytest.approx(metrics, abs=1e-6)
 
 
+@pytest.mark.parametrize("devices", [1, 2], ids=["1-device-per-rank", "2-devices-per-rank"])
+def test_a_trainer_that_fit_before_joining_trains_exactly_across_ranks(
+    tmp_path: Path, devices: int
+) -> None:
+    # Its replicas were built and their gradients reduced in one process; once it joins, the
+    # same gradient buffers are reduced across ranks (through buffers the in-process
+    # all-reduce never needed).
+    import anyio
+
+    reports, codes, _ = launch(f"fit-then-join{devices}", tmp_path)
+    assert codes == [0, 0]
+    data = worker.batches()
+    merged = [
+        tuple(torch.cat(parts) for parts in zip(*data[i : i + 2], strict=True))
+        for i in range(0, len(data), 2)
+    ]
+    trainer = asyncddp.Trainer(
+        worker.model(),
+        functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
+        worker.step,
+        devices="cpu",
+        progress_bar=False,
+    )
+
+    async def fit() -> None:
+        await trainer.fit(data, epochs=1)  # each rank alone, on every batch
+        await trainer.fit(merged, epochs=2)  # the ranks together
+
+    anyio.run(fit)
+    for report in reports:
+        assert report is not None
+        assert report["global_step"] == trainer.global_step == 7 + 4
+        for mine, expected in zip(report["params"], trainer.model.parameters(), strict=True):
+            torch.testing.assert_close(mine, expected.detach(), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("scenario", ["unseeded", "unseeded-built", "unseeded-built-1"])
 def test_every_rank_starts_from_rank_0s_parameters(tmp_path: Path, scenario: str) -> None:
     # Each rank seeds its model differently: training starts from rank 0's weights on every
