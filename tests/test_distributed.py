@@ -86,19 +86,9 @@ def launch(
     return reports, codes, seconds
 
 
-def reference_params(
-    batches: int = 7, seed: int = 0, **options: Any
-) -> tuple[list[torch.Tensor], asyncddp.FitResult, Any]:
-    """One process, one device, each step given the ranks' batches of that step together,
-    from the model ``worker.model(seed)``."""
-    import anyio
-
-    data = worker.batches(batches)
-    merged = [
-        tuple(torch.cat(parts) for parts in zip(*data[i : i + 2], strict=True))
-        for i in range(0, len(data), 2)
-    ]
-    trainer = asyncddp.Trainer(
+def one_device_trainer(seed: int = 0, **options: Any) -> asyncddp.Trainer:
+    """One process, one device: the scenarios' model ``worker.model(seed)`` and optimizer."""
+    return asyncddp.Trainer(
         worker.model(seed),
         functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
         worker.step,
@@ -107,8 +97,27 @@ def reference_params(
         **options,
     )
 
+
+def merged(data: list[Any]) -> list[Any]:
+    """The batches two ranks train on in each step, together: rank ``r`` gets ``r, r + 2, ...``."""
+    return [
+        tuple(torch.cat(parts) for parts in zip(*data[i : i + 2], strict=True))
+        for i in range(0, len(data), 2)
+    ]
+
+
+def reference_params(
+    batches: int = 7, seed: int = 0, **options: Any
+) -> tuple[list[torch.Tensor], asyncddp.FitResult, Any]:
+    """One process, one device, each step given the ranks' batches of that step together,
+    from the model ``worker.model(seed)``."""
+    import anyio
+
+    trainer = one_device_trainer(seed, **options)
+
     async def fit() -> tuple[asyncddp.FitResult, dict[str, float]]:
-        result = await trainer.fit(merged, epochs=2, valid_data=worker.batches(5, 10))
+        data = merged(worker.batches(batches))
+        result = await trainer.fit(data, epochs=2, valid_data=worker.batches(5, 10))
         return result, await trainer.validate(worker.batches(5, 10))
 
     result, metrics = anyio.run(fit)
@@ -175,21 +184,11 @@ def test_a_trainer_that_fit_before_joining_trains_exactly_across_ranks(
     reports, codes, _ = launch(f"fit-then-join{devices}", tmp_path)
     assert codes == [0, 0]
     data = worker.batches()
-    merged = [
-        tuple(torch.cat(parts) for parts in zip(*data[i : i + 2], strict=True))
-        for i in range(0, len(data), 2)
-    ]
-    trainer = asyncddp.Trainer(
-        worker.model(),
-        functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
-        worker.step,
-        devices="cpu",
-        progress_bar=False,
-    )
+    trainer = one_device_trainer()
 
     async def fit() -> None:
         await trainer.fit(data, epochs=1)  # each rank alone, on every batch
-        await trainer.fit(merged, epochs=2)  # the ranks together
+        await trainer.fit(merged(data), epochs=2)  # the ranks together
 
     anyio.run(fit)
     for report in reports:
@@ -445,14 +444,7 @@ def test_a_mid_epoch_state_continues_only_on_as_many_processes(tmp_path: Path) -
     # would skip half of what was done and train on the rest again (and the other way round).
     import anyio
 
-    def trainer() -> asyncddp.Trainer:
-        return asyncddp.Trainer(
-            worker.model(),
-            functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
-            worker.step,
-            devices="cpu",
-            progress_bar=False,
-        )
+    trainer = one_device_trainer
 
     async def stopped_in_mid_epoch() -> None:
         t = trainer()
