@@ -16,7 +16,6 @@ The loop thread never runs a job and never blocks on a thread: it queues, then a
 from __future__ import annotations
 
 import contextvars
-import os
 import threading
 import time
 import warnings
@@ -24,7 +23,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Generic, Literal, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 import anyio
 import torch
@@ -205,17 +204,6 @@ class _Job:
         return notify
 
 
-def check_worker_priority(priority: str) -> None:
-    """Refuse a ``worker_priority`` that is not one, or not available here."""
-    if priority not in ("normal", "idle"):
-        raise ConfigurationError(f"worker_priority must be 'normal' or 'idle', got {priority!r}")
-    if priority == "idle" and not hasattr(os, "SCHED_IDLE"):
-        raise ConfigurationError(
-            "worker_priority='idle' needs Linux's SCHED_IDLE scheduling policy, which this "
-            "platform does not have; leave it 'normal'"
-        )
-
-
 def _stop_all(workers: Sequence[DeviceWorker]) -> None:
     for worker in workers:
         worker.stop()
@@ -247,16 +235,6 @@ class StepScheduler:
             Before CPU workers of more than one thread start, the calling thread lets go of
             its idle OpenMP threads (GNU OpenMP on Linux), which would otherwise slow the
             workers' ops (see "The caller's idle OpenMP threads" in the docs' concepts).
-        worker_priority: ``"normal"``, or ``"idle"``: the CPU workers' threads, and the
-            OpenMP threads they start, run under Linux's ``SCHED_IDLE`` policy, only when no
-            thread of normal priority wants the core. The event loop's thread then gets a core
-            the moment it wakes, even with every core training (a 1 ms timer's p99 lag from
-            3.0-3.4 to 1.0 ms on 2 cores, ``bench/loop_lag.py``), at a cost to throughput
-            where devices meet (on the benchmarks' MLP: none measurable on one CPU device,
-            12% a step on two, whose meeting waits for the one the loop preempted) and at the
-            mercy of every other busy program on the machine, which runs first. GPU workers
-            keep normal priority: their threads mostly wait for the device, and a late kernel
-            launch idles it. Linux only.
     """
 
     def __init__(
@@ -266,13 +244,11 @@ class StepScheduler:
         step_timeout: float | None = None,
         drain_timeout: float | None = 10.0,
         threads_per_worker: int | None = None,
-        worker_priority: Literal["normal", "idle"] = "normal",
     ) -> None:
         if threads_per_worker is not None and threads_per_worker < 1:
             raise ConfigurationError(
                 f"threads_per_worker must be >= 1 or None, got {threads_per_worker!r}"
             )
-        check_worker_priority(worker_priority)
         for name, value in (("step_timeout", step_timeout), ("drain_timeout", drain_timeout)):
             if value is not None and not value > 0:
                 raise ConfigurationError(
@@ -283,7 +259,6 @@ class StepScheduler:
         self.step_timeout = step_timeout
         self.drain_timeout = drain_timeout
         self.threads_per_worker = threads_per_worker
-        self.worker_priority = worker_priority
         self._workers: tuple[DeviceWorker, ...] = ()
         self._state = "new"
         self._next_step = 0
@@ -326,11 +301,8 @@ class StepScheduler:
             # their threads together outnumber the cores: libgomp then stops busy-waiting
             # between ops, and every op of a step waits for its threads to wake (see _openmp).
             release_idle_threads()
-        idle = self.worker_priority == "idle"
         workers = tuple(
-            DeviceWorker(device, threads=share, idle=idle)
-            if not device.is_cuda
-            else DeviceWorker(device)
+            DeviceWorker(device, threads=None if device.is_cuda else share)
             for device in self.devices
         )
         started: list[DeviceWorker] = []

@@ -61,7 +61,7 @@ from ._replica import (
     has_sparse_gradients,
 )
 from ._resume import Resumable
-from ._scheduler import StepScheduler, check_worker_priority
+from ._scheduler import StepScheduler
 from ._steps import DeviceDroppedWarning
 
 __all__ = ["DeviceDroppedWarning", "EpochRecord", "FitResult", "Trainer"]
@@ -144,9 +144,6 @@ class Trainer(Resumable):
         prefetch: Batches loaded ahead of training, on the loader thread.
         threads_per_worker: Intra-op threads for each CPU worker; by default the process's
             ``torch.get_num_threads()`` shared out among the CPU workers.
-        worker_priority: ``"idle"`` runs the CPU workers under Linux's ``SCHED_IDLE`` policy,
-            so that the event loop (and every other program) gets a core the moment it wants
-            one, at some cost to throughput; see :class:`StepScheduler`.
         check_finite: Raise :class:`NonFiniteLossError`, naming the device and step, when a
             device's loss is NaN or infinite (costs nothing: the loss is read anyway).
     """
@@ -174,7 +171,6 @@ class Trainer(Resumable):
         pin_memory: bool | None = None,
         prefetch: int = 2,
         threads_per_worker: int | None = None,
-        worker_priority: Literal["normal", "idle"] = "normal",
         check_finite: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -198,7 +194,6 @@ class Trainer(Resumable):
         _check(prefetch >= 1, "prefetch must be >= 1")
         _check(step_timeout is None or step_timeout > 0, "step_timeout must be > 0 or None")
         _check(threads_per_worker is None or threads_per_worker >= 1, "threads_per_worker >= 1")
-        check_worker_priority(worker_priority)
         self.devices: tuple[Device, ...] = resolve_devices(_rank_devices(devices))
         self._autocast = autocast_dtype(precision)
         self._scaler = LossScaler() if self._autocast is torch.float16 else None
@@ -222,7 +217,6 @@ class Trainer(Resumable):
         self.pin_memory = any(d.is_cuda for d in self.devices) if pin_memory is None else pin_memory
         self.prefetch = prefetch
         self.threads_per_worker = threads_per_worker
-        self.worker_priority = worker_priority
         self.check_finite = check_finite
         #: Epochs completed so far; the next epoch's number.
         self.epoch = 0
@@ -542,10 +536,7 @@ class Trainer(Resumable):
 
     def _new_scheduler(self) -> StepScheduler:
         return StepScheduler(
-            self.devices,
-            step_timeout=self.step_timeout,
-            threads_per_worker=self.threads_per_worker,
-            worker_priority=self.worker_priority,
+            self.devices, step_timeout=self.step_timeout, threads_per_worker=self.threads_per_worker
         )
 
     def _jobs(self) -> Jobs:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import os
 import queue
 import threading
 from collections.abc import Callable
@@ -116,15 +115,11 @@ class DeviceWorker:
         device: The device to run jobs for.
         threads: Intra-op threads for this worker's CPU ops (``torch.set_num_threads`` is
             per thread); ``None`` keeps torch's default.
-        idle: Run the thread under Linux's ``SCHED_IDLE`` policy, set before its first op so
-            that the OpenMP threads it starts inherit it (see :class:`StepScheduler`'s
-            ``worker_priority``).
     """
 
-    def __init__(self, device: Device, *, threads: int | None = None, idle: bool = False) -> None:
+    def __init__(self, device: Device, *, threads: int | None = None) -> None:
         self.device = device
         self.threads = threads
-        self.idle = idle
         self.stream: torch.cuda.Stream | None = None
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._setup_error: BaseException | None = None
@@ -185,12 +180,6 @@ class DeviceWorker:
         return result
 
     def _main(self) -> None:
-        if self.idle:
-            try:
-                # This thread only (0: the caller), before any op: threads it starts inherit it.
-                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            except BaseException as exc:  # reported by every job, as a device set-up error
-                self._setup_error = exc
         if self.threads is not None:
             torch.set_num_threads(self.threads)  # per thread: the caller's setting is untouched
         if self.device.is_cuda:

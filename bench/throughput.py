@@ -26,9 +26,7 @@ number of CPU threads in all (``torch.get_num_threads()``, all cores by default)
               no reduction and no optimizer step: no data-parallel design on these cores does
               less, so halves-2 / plain bounds asyncddp-2 / plain from above;
 - ddp-gloo-2: ``DistributedDataParallel`` over gloo, 2 processes on localhost, half the batch
-              and half the threads each;
-- asyncddp-1-idle, asyncddp-2-idle: asyncddp-1 and asyncddp-2 with ``worker_priority="idle"``
-              (run only when named in --contenders).
+              and half the threads each.
 
 Each contender first trains one untimed pass over the same batches on the very threads it is
 then timed on, so that every figure is a step in steady state. A thread's first steps are slow
@@ -207,7 +205,6 @@ async def with_asyncddp(
     *,
     atomic_steps: bool = True,
     first_epoch: bool = False,
-    priority: str = "normal",
 ) -> float:
     """Samples per second of a fit's second epoch (its threads warm, as the other contenders'
     are), or with ``first_epoch`` of its first one (threads just started); an int is that many
@@ -215,13 +212,7 @@ async def with_asyncddp(
     torch.manual_seed(0)
     spec = asyncddp.cpu_devices(devices) if isinstance(devices, int) else devices
     trainer = asyncddp.Trainer(
-        make(),
-        SGD,
-        step,
-        devices=spec,
-        atomic_steps=atomic_steps,
-        progress_bar=False,
-        worker_priority=priority,  # type: ignore[arg-type]
+        make(), SGD, step, devices=spec, atomic_steps=atomic_steps, progress_bar=False
     )
     result = await trainer.fit(batches, epochs=2)  # the first epoch is the warm-up
     # An epoch's own time: the loop over the batches, without the session's start and end.
@@ -364,15 +355,11 @@ async def measure(contender: str, workload: str, steps: int) -> float:
     if contender == MAIN_TEAM:
         torch.ones(1 << 22).add_(1)  # a parallel op: the main thread's OpenMP team starts
         return await with_asyncddp(make, batches, 1)
-    if contender.endswith(IDLE):
-        devices = int(contender.removesuffix(IDLE).rsplit("-", 1)[1])
-        return await with_asyncddp(make, batches, devices, priority="idle")
     return await with_asyncddp(make, batches, int(contender.rsplit("-", 1)[1]))
 
 
 FIRST_EPOCH = "asyncddp-1-first-epoch"
 MAIN_TEAM = "asyncddp-1-main-team"
-IDLE = "-idle"
 CONTENDERS = (
     "plain",
     "handoff-1",
@@ -384,8 +371,6 @@ CONTENDERS = (
     "halves-2",
     "ddp-gloo-2",
 )
-# Run only when asked for (--contenders): worker_priority="idle" (see bench/loop_lag.py).
-EXTRA = ("asyncddp-1-idle", "asyncddp-2-idle")
 
 # What is printed under the figures: (contender, baseline, per_step, note): the ratio of their
 # samples per second, or with per_step, how much slower a step of the contender is.
@@ -398,8 +383,6 @@ RATIOS = (
     ("handoff-1", "plain", True, "(the floor of a free event loop)"),
     (FIRST_EPOCH, "asyncddp-1", True, "(a fit's first epoch: its threads just started)"),
     (MAIN_TEAM, "asyncddp-1", True, "(the main thread ran a parallel op first)"),
-    ("asyncddp-1-idle", "asyncddp-1", True, '(worker_priority="idle")'),
-    ("asyncddp-2-idle", "asyncddp-2", True, '(worker_priority="idle")'),
 )
 
 
@@ -413,11 +396,7 @@ async def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--no-ddp", action="store_true", help="skip the DDP baseline")
     parser.add_argument(
-        "--contenders",
-        nargs="+",
-        choices=CONTENDERS + EXTRA,
-        default=CONTENDERS,
-        help="which to run",
+        "--contenders", nargs="+", choices=CONTENDERS, default=CONTENDERS, help="which to run"
     )
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     args = parser.parse_args()
@@ -426,7 +405,7 @@ async def main() -> None:
         return
     if args.quick:
         args.steps, args.rounds = 8, 1
-    contenders = [c for c in CONTENDERS + EXTRA if c in args.contenders]
+    contenders = [c for c in CONTENDERS if c in args.contenders]
     if args.no_ddp and "ddp-gloo-2" in contenders:
         contenders.remove("ddp-gloo-2")
     threads = torch.get_num_threads()

@@ -263,12 +263,6 @@ MISUSES: list[tuple[str, Any, type[BaseException], str]] = [
         "threads_per_worker",
     ),
     (
-        "an unknown worker_priority",
-        lambda: asyncddp.StepScheduler(cpu_devices(1), worker_priority="low"),  # type: ignore[arg-type]
-        ValueError,
-        "worker_priority must be 'normal' or 'idle'",
-    ),
-    (
         "a model with nothing to train",
         lambda: Trainer(nn.Linear(2, 2).requires_grad_(False), ADAM, mse),
         asyncddp.ConfigurationError,

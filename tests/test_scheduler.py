@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import contextvars
-import functools
 import gc
 import multiprocessing
 import os
@@ -10,14 +9,11 @@ import statistics
 import threading
 import time
 import weakref
-from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import asyncddp
 from asyncddp import (
@@ -777,93 +773,3 @@ def test_a_forked_child_of_a_thread_with_a_team_runs_cpu_workers() -> None:
         pytest.fail("the forked child hung starting its CPU workers")
     assert child.exitcode == 0
     assert results.get(timeout=5) == 2 * (1 << 22)
-
-
-def _policies(tids: set[int]) -> set[int]:
-    """The scheduling policies of this process's threads ``tids`` (those still alive): field
-    41 of /proc/self/task/TID/stat, the fields after the command name's closing parenthesis
-    starting at field 3."""
-    policies = set()
-    for tid in tids:
-        try:
-            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-        except FileNotFoundError:
-            continue
-        policies.add(int(stat.rsplit(")", 1)[1].split()[41 - 3]))
-    return policies
-
-
-def _task_ids() -> set[int]:
-    return {int(name) for name in os.listdir("/proc/self/task")}
-
-
-needs_sched_idle = pytest.mark.skipif(
-    not hasattr(os, "SCHED_IDLE") or not Path("/proc/self/task").is_dir(),
-    reason="SCHED_IDLE and /proc are Linux's",
-)
-
-
-@needs_sched_idle
-@pytest.mark.parametrize("priority", ["normal", "idle"])
-async def test_worker_priority_idle_runs_cpu_workers_and_their_openmp_threads_as_sched_idle(
-    priority: str,
-) -> None:
-    def job(ctx: WorkerContext, shard: None) -> tuple[int, set[int]]:
-        torch.ones(1 << 22).add_(1).sum()  # starts the worker's OpenMP team, if it has none
-        # The threads started since the scheduler, but this one: the worker's OpenMP threads.
-        started = _task_ids() - before - {threading.get_native_id()}
-        return os.sched_getscheduler(0), _policies(started)
-
-    caller = os.sched_getscheduler(0)
-    before = _task_ids()
-    async with StepScheduler(
-        cpu_devices(1), threads_per_worker=2, worker_priority=priority
-    ) as scheduler:
-        result = await scheduler.run(job, [None])
-    worker, helpers = result.outputs[0]
-    expected = os.SCHED_IDLE if priority == "idle" else os.SCHED_OTHER
-    assert worker == expected
-    assert helpers <= {expected}  # empty where the op started no helper thread
-    assert os.sched_getscheduler(0) == caller  # the caller's own policy is untouched
-
-
-@needs_sched_idle
-async def test_a_trainer_passes_worker_priority_to_its_workers() -> None:
-    policies: list[int] = []
-
-    def recording(model: nn.Module, batch: Any) -> torch.Tensor:
-        policies.append(os.sched_getscheduler(0))
-        inputs, targets = batch
-        return F.mse_loss(model(inputs), targets)
-
-    trainer = asyncddp.Trainer(
-        nn.Linear(3, 1),
-        functools.partial(torch.optim.SGD, lr=0.1),
-        recording,
-        devices=cpu_devices(2),
-        worker_priority="idle",
-        progress_bar=False,
-    )
-    await trainer.fit([(torch.randn(4, 3), torch.randn(4, 1))] * 2, epochs=1)
-    assert policies == [os.SCHED_IDLE] * 4
-
-
-def test_worker_priority_must_be_normal_or_idle() -> None:
-    with pytest.raises(ValueError, match="worker_priority must be 'normal' or 'idle'"):
-        StepScheduler(cpu_devices(1), worker_priority="low")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="worker_priority"):
-        asyncddp.Trainer(
-            nn.Linear(3, 1),
-            functools.partial(torch.optim.SGD, lr=0.1),
-            lambda model, batch: model(batch).sum(),
-            devices="cpu",
-            worker_priority="high",  # type: ignore[arg-type]
-        )
-
-
-def test_worker_priority_idle_is_refused_where_there_is_no_sched_idle(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delattr(os, "SCHED_IDLE", raising=False)
-    with pytest.raises(ValueError, match="SCHED_IDLE"):
-        StepScheduler(cpu_devices(1), worker_priority="idle")
