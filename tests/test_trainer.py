@@ -1023,6 +1023,45 @@ async def test_a_failure_before_the_backup_is_taken_does_not_roll_that_replica_b
     assert_close(trainer.model, expected)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["one-job", "phases-apart"])
+async def test_a_reduce_that_fails_after_writing_into_its_peers_is_retried_exactly(
+    monkeypatch: pytest.MonkeyPatch, fused: bool
+) -> None:
+    # The in-process all-reduce writes each device's summed chunk into every replica; a device
+    # that fails once it has done so leaves its peers' gradients summed. The retry must start
+    # the step from zeroed gradients on every replica, not add to those sums.
+    from asyncddp import _jobs
+
+    batches = make_batches([8, 8, 8, 5])
+    expected = reference(batches, 2, SGD)
+    reduce = _jobs.all_reduce_chunk
+    calls = {"n": 0}
+
+    def fails_once_after_writing(replicas: Any, index: int, *args: Any, **kwargs: Any) -> Any:
+        result = reduce(replicas, index, *args, **kwargs)
+        if index == 2:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("failed after writing into the peers")
+        return result
+
+    monkeypatch.setattr(_jobs, "all_reduce_chunk", fails_once_after_writing)
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(3),
+        on_failure="retry",
+        progress_bar=False,
+        step_timeout=None if fused else 60.0,
+    )
+    await trainer.fit(batches, epochs=2)
+    assert calls["n"] > 3
+    assert trainer.global_step == 8
+    assert_replicas_identical(trainer)
+    assert_close(trainer.model, expected)
+
+
 class FailAfterUpdateWhenArmed(torch.optim.SGD):
     armed = False
 
