@@ -169,6 +169,11 @@ def _async_copy(source: torch.Tensor, target: torch.Tensor) -> bool:
     return source.device.type == "cuda" and target.device.type == "cuda"
 
 
+def _on(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on ``like``'s device (itself when it is there already)."""
+    return tensor.to(like.device, non_blocking=_async_copy(tensor, like))
+
+
 def _checks(
     reduced: Sequence[torch.Tensor], want_norm: bool, want_finite: bool
 ) -> tuple[float, bool]:
@@ -179,14 +184,6 @@ def _checks(
         norm_sq = squared_norm(reduced)
         return norm_sq, math.isfinite(norm_sq)  # an inf or NaN anywhere makes the norm one
     return 0.0, all_finite(reduced) if want_finite else True
-
-
-def _scale_lone(own: FlatGrads, scale: float) -> list[torch.Tensor]:
-    """A single replica has no peers: it scales its own gradients in place."""
-    reduced = own.tensors()  # a loose replica's: one tensor a parameter, one fused op
-    if scale != 1.0 and reduced:
-        torch._foreach_mul_(reduced, scale)
-    return reduced
 
 
 def all_reduce_chunk(
@@ -207,31 +204,30 @@ def all_reduce_chunk(
     one owner.
     """
     own = replicas[index]
-    if len(replicas) == 1:
-        return _checks(_scale_lone(own, scale), want_norm, want_finite)
+    if len(replicas) == 1:  # no peers: it scales its own gradients in place
+        return _checks(scale_grads(own, scale), want_norm, want_finite)
+    others = [replica for replica in replicas if replica is not own]
     reduced = []
     for b in range(len(own.buffers)):
         total = own.chunk(b, index)
-        device = total.device
-        for other in replicas:
-            if other is not own:
-                chunk = other.chunk(b, index)
-                total.add_(chunk.to(device, non_blocking=_async_copy(chunk, total)))
+        for other in others:
+            total.add_(_on(other.chunk(b, index), total))
         if scale != 1.0:
             total.mul_(scale)
-        for other in replicas:
-            if other is not own:
-                chunk = other.chunk(b, index)
-                chunk.copy_(total, non_blocking=_async_copy(total, chunk))
+        for other in others:
+            chunk = other.chunk(b, index)
+            chunk.copy_(total, non_blocking=_async_copy(total, chunk))
         reduced.append(total)
     return _checks(reduced, want_norm, want_finite)
 
 
-def scale_grads(grads: FlatGrads, coefficient: float) -> None:
-    """Multiply a replica's gradients by ``coefficient`` (clipping), after the all-reduce."""
+def scale_grads(grads: FlatGrads, coefficient: float) -> list[torch.Tensor]:
+    """Multiply a replica's gradients by ``coefficient`` in place (a loose replica's: one
+    tensor a parameter, one fused op); returns the tensors that hold them."""
     tensors = grads.tensors()
     if coefficient != 1.0 and tensors:
         torch._foreach_mul_(tensors, coefficient)
+    return tensors
 
 
 def reduce_scatter(
@@ -254,16 +250,14 @@ def reduce_scatter(
     """
     own = replicas[index]
     if len(replicas) == 1:
-        reduced = _scale_lone(own, scale)
+        reduced = scale_grads(own, scale)
     else:
         reduced = own.own_scratch()
         for b, scratch in enumerate(reduced):
-            chunks = [
-                chunk.to(scratch.device, non_blocking=_async_copy(chunk, scratch))
-                for chunk in (replica.chunk(b, index) for replica in replicas)
-            ]
-            torch.add(chunks[0], chunks[1], out=scratch)
-            for chunk in chunks[2:]:
+            # Each chunk moved to this device only when it is added (one at a time on a GPU).
+            chunks = (_on(replica.chunk(b, index), scratch) for replica in replicas)
+            torch.add(next(chunks), next(chunks), out=scratch)
+            for chunk in chunks:
                 scratch.add_(chunk)
             if scale != 1.0:
                 scratch.mul_(scale)
@@ -317,8 +311,7 @@ def all_gather(replicas: Sequence[FlatGrads], index: int, coefficient: float) ->
     for b in range(len(own.buffers)):
         for owner, replica in enumerate(replicas):
             target = own.chunk(b, owner)
-            scratch = replica.scratch[b]
-            source = scratch.to(target.device, non_blocking=_async_copy(scratch, target))
+            source = _on(replica.scratch[b], target)
             if coefficient != 1.0:
                 torch.mul(source, coefficient, out=target)
             else:
