@@ -74,20 +74,25 @@ def _pause() -> Callable[[], int] | None:
     return lambda: int(pause(_OMP_PAUSE_SOFT))
 
 
-def _loaded_libgomp() -> str | None:
-    """The path of the libgomp torch runs on, among those this process has loaded: the one
-    torch ships (other packages, scikit-learn's for one, ship copies of their own), or the
-    only one loaded."""
+def _loaded_libgomps() -> set[str]:
+    """The paths of every libgomp this process has loaded (none where there is no ``/proc``)."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = {
+            return {
                 path
                 for line in maps
                 if "/libgomp" in line
                 and _LIBGOMP.match(os.path.basename(path := line.split(maxsplit=5)[-1].strip()))
             }
     except OSError:
-        return None
+        return set()
+
+
+def _loaded_libgomp() -> str | None:
+    """The path of the libgomp torch runs on, among those this process has loaded: the one
+    torch ships (other packages, scikit-learn's for one, ship copies of their own), or the
+    only one loaded."""
+    paths = _loaded_libgomps()
     package = os.path.realpath(os.path.dirname(torch.__file__))  # the maps' paths are real
     torchs = {path for path in paths if path.startswith((package + os.sep, package + ".libs"))}
     for found in (torchs, paths):

@@ -701,16 +701,6 @@ def _in_a_thread_with_a_team(then: Any) -> tuple[set[int], set[int]]:
     return team, after
 
 
-def _loaded_libgomps() -> set[str]:
-    with open("/proc/self/maps") as maps:
-        return {
-            path
-            for line in maps
-            if "/libgomp" in line
-            and _openmp._LIBGOMP.match(os.path.basename(path := line.split(maxsplit=5)[-1].strip()))
-        }
-
-
 needs_libgomp = pytest.mark.skipif(
     _openmp._loaded_libgomp() is None, reason="needs GNU OpenMP (libgomp), as in torch's wheels"
 )
@@ -727,7 +717,7 @@ def test_release_idle_threads_lets_the_calling_threads_openmp_team_go() -> None:
 @needs_libgomp
 def test_the_openmp_runtime_released_is_torchs_beside_other_packages_copies() -> None:
     pytest.importorskip("sklearn.cluster")  # scikit-learn's wheels ship a libgomp of their own
-    loaded = _loaded_libgomps()
+    loaded = _openmp._loaded_libgomps()
     if len(loaded) < 2:
         pytest.skip("only one libgomp is loaded here")
     package = os.path.realpath(os.path.dirname(torch.__file__))
