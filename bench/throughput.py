@@ -113,14 +113,13 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any]
         optimizer.step()
 
 
-def plain(make: Callable[[], nn.Module], batches: list[Any]) -> float:
+async def plain(make: Callable[[], nn.Module], batches: list[Any]) -> float:
+    """The plain loop in this thread (no hand-off): a warm-up pass, then a timed one."""
     torch.manual_seed(0)
     model = make()
     optimizer = SGD(model.parameters())
-    train(model, optimizer, batches)  # warm-up: the same pass, untimed
-    start = time.perf_counter()
-    train(model, optimizer, batches)
-    return len(batches) * BATCH / (time.perf_counter() - start)
+    seconds, _ = await _timed_pass(model, optimizer, batches, False, lambda: None)
+    return len(batches) * BATCH / seconds
 
 
 class HandOff:
@@ -343,7 +342,7 @@ async def measure(contender: str, workload: str, steps: int) -> float:
     make, shape = WORKLOADS[workload]
     batches = make_batches(shape, steps)
     if contender == "plain":
-        return plain(make, batches)
+        return await plain(make, batches)
     if contender == "handoff-1":
         return await handed_off(make, batches)
     if contender == "halves-2":
