@@ -21,10 +21,17 @@ number of CPU threads in all (``torch.get_num_threads()``, all cores by default)
               up a model or data with torch), and so holds an idle OpenMP team: the case of
               most real programs (see asyncddp/_openmp.py);
 - asyncddp-N: ``Trainer`` on ``cpu_devices(N)``, the threads shared among the workers;
+  asyncddp-2-noatomic the same on 2 without the step backup;
 - halves-2:   the compute alone of a 2-way data-parallel step: two threads, one intra-op thread
               each, the forward and backward of half the batch each, in step (a barrier a step),
               no reduction and no optimizer step: no data-parallel design on these cores does
               less, so halves-2 / plain bounds asyncddp-2 / plain from above;
+- by-hand-2:  a whole 2-way data-parallel step written by hand, the least such a step does:
+              halves-2, then the same one-pass all-reduce asyncddp runs (each thread sums its
+              half of both replicas' flat gradients and writes the sum into the other's), a
+              barrier, and each thread's own optimizer step; no event loop, no backup, no
+              failure handling: by-hand-2 / plain is what data parallelism with a replica a
+              thread reaches on these cores before any library adds its own costs;
 - ddp-gloo-2: ``DistributedDataParallel`` over gloo, 2 processes on localhost, half the batch
               and half the threads each.
 
@@ -197,6 +204,87 @@ def halves(make: Callable[[], nn.Module], batches: list[Any]) -> float:
     return len(batches) * BATCH / max(seconds)
 
 
+async def by_hand(make: Callable[[], nn.Module], batches: list[Any], handoff: bool) -> float:
+    """Samples per second of a whole 2-way data-parallel step written by hand (see above); with
+    ``handoff``, each step handed from the event loop to the two threads and awaited."""
+    torch.manual_seed(0)
+    models = [make() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [SGD(model.parameters()) for model in models]
+    flats = []
+    for model in models:  # each replica's gradients: views of one flat buffer, as asyncddp's
+        params = list(model.parameters())
+        flat = torch.zeros(sum(p.numel() for p in params))
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        flats.append(flat)
+    half = flats[0].numel() // 2
+    chunks = [slice(0, half), slice(half, None)]
+    shards = [[(x[i::2], y[i::2]) for x, y in batches] for i in range(2)]
+    barrier = threading.Barrier(2)
+
+    def one_step(i: int, batch: Any) -> None:
+        flats[i].zero_()
+        (step(models[i], batch) * 0.5).backward()  # each half's mean, weighted: the sum is the mean
+        barrier.wait()
+        mine, other = flats[i][chunks[i]], flats[1 - i][chunks[i]]
+        mine.add_(other)  # thread i sums chunk i of both replicas ...
+        other.copy_(mine)  # ... and writes the sum into the other's
+        barrier.wait()
+        optimizers[i].step()
+
+    def check() -> None:
+        for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+            assert torch.equal(a, b), "the replicas of the step by hand differ"
+
+    if handoff:
+        workers = [HandOff(), HandOff()]
+        try:
+            for worker in workers:  # one intra-op thread each, as asyncddp's CPU workers
+                await worker.run(functools.partial(torch.set_num_threads, 1))
+
+            async def run() -> None:
+                for pair in zip(*shards, strict=True):
+                    await asyncio.gather(
+                        *(
+                            w.run(functools.partial(one_step, i, pair[i]))
+                            for i, w in enumerate(workers)
+                        )
+                    )
+
+            await run()  # warm-up: the same pass, untimed
+            start = time.perf_counter()
+            await run()
+            elapsed = time.perf_counter() - start
+        finally:
+            for worker in workers:
+                worker.close()
+        check()
+        return len(batches) * BATCH / elapsed
+
+    seconds = [0.0, 0.0]
+
+    def run_thread(i: int) -> None:
+        torch.set_num_threads(1)  # per thread, as asyncddp's CPU workers do
+        for batch in shards[i]:  # warm-up: the same pass, untimed
+            one_step(i, batch)
+        barrier.wait()
+        start = time.perf_counter()
+        for batch in shards[i]:
+            one_step(i, batch)
+        seconds[i] = time.perf_counter() - start
+
+    threads = [threading.Thread(target=run_thread, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    check()
+    return len(batches) * BATCH / max(seconds)
+
+
 async def with_asyncddp(
     make: Callable[[], nn.Module],
     batches: list[Any],
@@ -347,8 +435,10 @@ async def measure(contender: str, workload: str, steps: int) -> float:
         return await handed_off(make, batches)
     if contender == "halves-2":
         return halves(make, batches)
-    if contender == "asyncddp-1-noatomic":
-        return await with_asyncddp(make, batches, 1, atomic_steps=False)
+    if contender in (BY_HAND, BY_HAND_HANDOFF):
+        return await by_hand(make, batches, handoff=contender == BY_HAND_HANDOFF)
+    if contender.endswith("-noatomic"):
+        return await with_asyncddp(make, batches, int(contender.split("-")[1]), atomic_steps=False)
     if contender == FIRST_EPOCH:
         return await with_asyncddp(make, batches, 1, first_epoch=True)
     if contender == MAIN_TEAM:
@@ -358,6 +448,8 @@ async def measure(contender: str, workload: str, steps: int) -> float:
 
 
 FIRST_EPOCH = "asyncddp-1-first-epoch"
+BY_HAND = "by-hand-2"
+BY_HAND_HANDOFF = "by-hand-2-handoff"
 MAIN_TEAM = "asyncddp-1-main-team"
 CONTENDERS = (
     "plain",
@@ -367,7 +459,10 @@ CONTENDERS = (
     FIRST_EPOCH,
     MAIN_TEAM,
     "asyncddp-2",
+    "asyncddp-2-noatomic",
     "halves-2",
+    BY_HAND,
+    BY_HAND_HANDOFF,
     "ddp-gloo-2",
 )
 
@@ -376,7 +471,12 @@ CONTENDERS = (
 RATIOS = (
     ("asyncddp-2", "plain", False, "(target >= 0.95x)"),
     ("halves-2", "plain", False, "(the compute alone: the most a 2-way split can reach)"),
+    (BY_HAND, "plain", False, "(a whole data-parallel step by hand, no event loop, no backup)"),
+    (BY_HAND_HANDOFF, "plain", False, "(the same, each step handed off: a free event loop)"),
+    ("asyncddp-2", BY_HAND_HANDOFF, False, "(asyncddp-2 against that floor)"),
+    ("asyncddp-2-noatomic", BY_HAND_HANDOFF, False, "(without the step backup, as the floor)"),
     ("asyncddp-2", "ddp-gloo-2", False, "(target >= 1.5x)"),
+    (BY_HAND, "ddp-gloo-2", False, "(the step by hand against DDP)"),
     ("asyncddp-1", "plain", True, "(target <= +3%)"),
     ("asyncddp-1-noatomic", "plain", True, "(no step backup, as the plain loop)"),
     ("handoff-1", "plain", True, "(the floor of a free event loop)"),
