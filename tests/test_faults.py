@@ -196,6 +196,73 @@ async def test_a_hung_device_times_out_and_the_trainer_recovers() -> None:
     TRIED.append("hang/middle/1 of 2")
 
 
+async def test_a_device_hung_in_its_reduce_is_dropped_and_its_late_writes_change_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A device hangs in the middle of the all-reduce (phases as jobs apart: a step_timeout),
+    after its peers wrote their sums into its replica and before it writes its own into
+    theirs. It is dropped; its thread, left behind, then writes its sums into the replicas of
+    the devices that went on, while they train a later step. Those writes must land in
+    buffers nobody reads any more: the rest trains exactly as one device would."""
+    batches = make_batches(STEPS)
+    hung, late_done = threading.Event(), threading.Event()
+    release = threading.Event()
+    original = asyncddp._jobs.all_reduce_chunk
+    calls = {"count": 0}
+
+    def reduce(grads: Any, index: int, *args: Any, **kwargs: Any) -> Any:
+        if index == 2:
+            calls["count"] += 1
+            if calls["count"] == 3:  # device cpu#2, step 2
+                hung.set()
+                release.wait(timeout=10.0)
+                try:
+                    return original(grads, index, *args, **kwargs)  # the late writes
+                finally:
+                    late_done.set()
+        return original(grads, index, *args, **kwargs)
+
+    monkeypatch.setattr(asyncddp._jobs, "all_reduce_chunk", reduce)
+
+    def step_releasing_the_hung_thread(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        ctx = asyncddp.current_worker()
+        assert ctx is not None
+        if ctx.step == 4 and ctx.device.name == "cpu#0" and hung.is_set() and not release.is_set():
+            release.set()  # the left-behind thread writes now, in the middle of step 4
+            assert late_done.wait(timeout=10.0)
+        return step(model, batch)
+
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        step_releasing_the_hung_thread,
+        devices=cpu_devices(3),
+        step_timeout=0.3,
+        on_failure="drop",
+        progress_bar=False,
+    )
+    # Closing the old scheduler would wait 10 s for the hung job: make it give up at once, so
+    # that the thread is left behind while the others train.
+    new_scheduler = trainer._new_scheduler
+
+    def scheduler_that_waits_little() -> asyncddp.StepScheduler:
+        scheduler = new_scheduler()
+        scheduler.drain_timeout = 0.05
+        return scheduler
+
+    monkeypatch.setattr(trainer, "_new_scheduler", scheduler_that_waits_little)
+    try:
+        with pytest.warns(asyncddp.DeviceDroppedWarning, match="cpu#2"):
+            await trainer.fit(batches, epochs=1)
+    finally:
+        release.set()
+    assert late_done.is_set(), "the hung reduce never wrote: the test did not test anything"
+    assert [d.name for d in trainer.devices] == ["cpu#0", "cpu#1"]
+    assert trainer.global_step == STEPS
+    assert_params(trainer, plain_loop([[b] for b in batches]))
+    TRIED.append("hang in the all-reduce/middle/1 of 3, dropped")
+
+
 async def test_keyboard_interrupt_in_a_worker_reaches_the_caller() -> None:
     batches = make_batches(STEPS)
     interrupt = Armed(failing_step(step, device=0, at=3, error=KeyboardInterrupt()), step)
