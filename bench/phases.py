@@ -3,8 +3,8 @@
 Run:  python bench/phases.py            (about half a minute on 2 cores)
       python bench/phases.py --quick
 
-Trains the MLP 512-1024-10 (global batch 256, SGD with momentum) on ``cpu_devices(n)`` for n in
-1 and 2, with timers wrapped around the pieces of a step's job on each worker: forward and
+Trains the MLP 512-1024-10 (global batch 256, SGD with momentum) on ``cpu_devices(1)``, on
+``cpu_devices(2)``, and on 2 without the step backup (``atomic_steps=False``), with timers wrapped around the pieces of a step's job on each worker: forward and
 backward, the waits at the devices' meetings, the all-reduce (each worker's chunk), the backup of the
 parameters and optimizer state (``atomic_steps``; one device copies it ahead, after its job has
 reported, while the event loop handles the results), the optimizer step, and the whole job.
@@ -17,7 +17,9 @@ started (see throughput.py). Each piece is the median over the steps of its time
 in ms; so is the time between two steps' jobs (from the last job of one step to end to the first
 of the next to start). The step's wall time is the epoch's time over its steps in the same run, timers
 included (they cost a few microseconds each); it is a mean, so it also carries the slow steps
-that medians leave out.
+that medians leave out. Last, the event loop thread's CPU time a step (``time.thread_time()``
+read as each epoch ends): what the loop's own work costs, which the workers wait for between
+two steps' jobs.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 import torch
 from throughput import BATCH, SGD, make_batches, mlp, step
 
@@ -79,17 +82,34 @@ def per_thread(recorded: list[tuple[str, float, float]]) -> list[list[tuple[floa
     return list(spans.values())
 
 
-async def measure(devices: int, steps: int) -> dict[str, float]:
-    """The median ms of each piece, per step and worker, and the step's wall time."""
+async def measure(devices: int, steps: int, atomic: bool = True) -> dict[str, float]:
+    """The median ms of each piece, per step and worker, the step's wall time, and the event
+    loop thread's CPU time a step."""
     spans: dict[str, list[tuple[str, float, float]]] = {piece: [] for piece in PIECES}
     batches = make_batches((512,), steps)
     torch.manual_seed(0)
     trainer = asyncddp.Trainer(
-        mlp(), SGD, step, devices=asyncddp.cpu_devices(devices), progress_bar=False
+        mlp(),
+        SGD,
+        step,
+        devices=asyncddp.cpu_devices(devices),
+        progress_bar=False,
+        atomic_steps=atomic,
     )
+    loop_cpu: list[float] = []  # the event loop thread's CPU clock as each epoch ends
+    events = trainer.events()
+
+    async def mark_epochs() -> None:
+        async for event in events:
+            if isinstance(event, asyncddp.EpochEnded):
+                loop_cpu.append(time.thread_time())
+
     restore = timing(spans)
     try:
-        result = await trainer.fit(batches, epochs=2)  # the first epoch warms the threads up
+        async with anyio.create_task_group() as group:
+            group.start_soon(mark_epochs)
+            # The first epoch warms the threads up.
+            result = await trainer.fit(batches, epochs=2)
     finally:
         restore()
     for recorded in spans.values():  # the second epoch's: the later half, each epoch
@@ -114,6 +134,7 @@ async def measure(devices: int, steps: int) -> dict[str, float]:
         for i in range(len(jobs) - 1)
     ]
     figures["between two steps' jobs"] = 1e3 * statistics.median(gaps)
+    figures["event loop's CPU"] = 1e3 * (loop_cpu[1] - loop_cpu[0]) / steps
     return figures
 
 
@@ -127,10 +148,14 @@ async def main() -> None:
         f"ms a step, MLP 512-1024-10, global batch {BATCH}, SGD with momentum, median of "
         f"{steps} steps; {torch.get_num_threads()} CPU threads in all (torch {torch.__version__})"
     )
-    runs = {devices: await measure(devices, steps) for devices in (1, 2)}
-    print(f"\n  {'':<24}" + "".join(f"{f'{n} device' + ('s' if n > 1 else ''):>12}" for n in runs))
-    for piece in [*PIECES, "between two steps' jobs", "step (wall)"]:
-        row = "".join(f"{runs[n][piece]:>12.3f}" for n in runs)
+    runs = {
+        "1 device": await measure(1, steps),
+        "2 devices": await measure(2, steps),
+        "2, no backup": await measure(2, steps, atomic=False),
+    }
+    print(f"\n  {'':<24}" + "".join(f"{name:>14}" for name in runs))
+    for piece in [*PIECES, "between two steps' jobs", "step (wall)", "event loop's CPU"]:
+        row = "".join(f"{runs[name][piece]:>14.3f}" for name in runs)
         print(f"  {piece:<24}{row}")
 
 
