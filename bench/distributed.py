@@ -10,7 +10,8 @@ batch of 256 per step: 128 items per rank.
 - ddp-gloo-2:      ``DistributedDataParallel``, a plain loop in each process (throughput.py's);
 - ddp-gloo-2 handed off: the same, each step handed from an event loop to a worker thread and
                    awaited (throughput.py's ``HandOff``): what DDP would cost an async program
-                   that keeps its event loop free, the floor of any such design;
+                   that keeps its event loop free, the floor of a design that hands each step
+                   to a thread and awaits it, as asyncddp does;
 - asyncddp-2proc:  ``asyncddp.distributed.init()`` and ``Trainer(devices="cpu")`` in each
                    process; the trainer gives each rank every other half-batch of one list;
                    and the same with ``atomic_steps=False`` (no copy of the parameters and

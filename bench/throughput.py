@@ -10,8 +10,9 @@ number of CPU threads in all (``torch.get_num_threads()``, all cores by default)
 
 - plain:      a single-process PyTorch loop (zero_grad, forward, backward, step);
 - handoff-1:  the same loop's steps, each handed from an event loop to one persistent worker
-              thread and awaited (a queue and a future, nothing else): the floor of any design
-              that keeps the event loop free by training on a thread of its own;
+              thread and awaited (a queue and a future, nothing else): the floor of a design
+              that keeps the event loop free by handing each step to a thread and awaiting it,
+              as asyncddp does;
 - asyncddp-1: ``Trainer`` on one device (its worker gets every thread): the overhead target;
 - asyncddp-1-noatomic: the same with ``atomic_steps=False``: no copy of the parameters and
               optimizer state before each step (a plain loop, Lightning and DDP keep none);
