@@ -232,21 +232,32 @@ def halves(make: Callable[[], nn.Module], batches: list[Any]) -> float:
     """Samples per second of the compute alone of a 2-way data-parallel step (see above)."""
     torch.manual_seed(0)
     models = [make() for _ in range(2)]
-    shards = halved(batches)
     barrier = threading.Barrier(2, timeout=60)  # a thread that fails breaks it for the other
+
+    def one_step(i: int, batch: Any) -> None:
+        models[i].zero_grad()
+        step(models[i], batch).backward()
+        barrier.wait()
+
+    return len(batches) * BATCH / _on_two_threads(one_step, halved(batches), barrier)
+
+
+def _on_two_threads(
+    one_step: Callable[[int, Any], None], shards: list[list[Any]], barrier: threading.Barrier
+) -> float:
+    """Seconds of a pass of ``one_step(i, batch)`` over ``shards[i]`` on thread ``i`` of two
+    (one intra-op thread each, as asyncddp's CPU workers), after an untimed pass on the same
+    threads: the slower thread's."""
     seconds = [0.0, 0.0]
 
     def run(i: int) -> None:
-        torch.set_num_threads(1)  # per thread, as asyncddp's CPU workers do
+        torch.set_num_threads(1)  # per thread
         for batch in shards[i]:  # warm-up: the same pass, untimed
-            models[i].zero_grad()
-            step(models[i], batch).backward()
+            one_step(i, batch)
         barrier.wait()
         start = time.perf_counter()
         for batch in shards[i]:
-            models[i].zero_grad()
-            step(models[i], batch).backward()
-            barrier.wait()
+            one_step(i, batch)
         seconds[i] = time.perf_counter() - start
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
@@ -254,7 +265,7 @@ def halves(make: Callable[[], nn.Module], batches: list[Any]) -> float:
         thread.start()
     for thread in threads:
         thread.join()
-    return len(batches) * BATCH / max(seconds)
+    return max(seconds)
 
 
 async def by_hand(make: Callable[[], nn.Module], batches: list[Any], handoff: bool) -> float:
@@ -310,25 +321,9 @@ async def by_hand(make: Callable[[], nn.Module], batches: list[Any], handoff: bo
         check()
         return len(batches) * BATCH / elapsed
 
-    seconds = [0.0, 0.0]
-
-    def run_thread(i: int) -> None:
-        torch.set_num_threads(1)  # per thread, as asyncddp's CPU workers do
-        for batch in shards[i]:  # warm-up: the same pass, untimed
-            one_step(i, batch)
-        barrier.wait()
-        start = time.perf_counter()
-        for batch in shards[i]:
-            one_step(i, batch)
-        seconds[i] = time.perf_counter() - start
-
-    threads = [threading.Thread(target=run_thread, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    seconds = _on_two_threads(one_step, shards, barrier)
     check()
-    return len(batches) * BATCH / max(seconds)
+    return len(batches) * BATCH / seconds
 
 
 async def with_asyncddp(
