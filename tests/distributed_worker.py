@@ -235,7 +235,10 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         def failing(model: torch.nn.Module, batch: Any) -> Any:
             if rank == 1 and this_step() == FAIL_AT:
                 if scenario == "kill":
-                    (out / "killed_at").write_text(repr(time.time()))
+                    # Both of this rank's devices get here: append (a second open must not
+                    # truncate what the first wrote before its kill lands), one line each.
+                    with (out / "killed_at").open("a") as marker:
+                        marker.write(f"{time.time()!r}\n")
                     os.kill(os.getpid(), signal.SIGKILL)
                 report["failed_at"] = time.time()
                 raise ValueError("injected failure on rank 1")
