@@ -4,9 +4,10 @@ Run:  python bench/phases.py            (about half a minute on 2 cores)
       python bench/phases.py --quick
 
 Trains the MLP 512-1024-10 (global batch 256, SGD with momentum) on ``cpu_devices(1)``, on
-``cpu_devices(2)``, and on 2 without the step backup (``atomic_steps=False``), with timers wrapped around the pieces of a step's job on each worker: forward and
-backward, the waits at the devices' meetings, the all-reduce (each worker's chunk), the backup of the
-parameters and optimizer state (``atomic_steps``; one device copies it ahead, after its job has
+``cpu_devices(2)``, and on 2 without the step backup (``atomic_steps=False``), with timers
+wrapped around the pieces of a step's job on each worker: forward and backward, the waits at
+the devices' meetings, the all-reduce (each worker's chunk), the backup of the parameters and
+optimizer state (``atomic_steps``; one device copies it ahead, after its job has
 reported, while the event loop handles the results), the optimizer step, and the whole job.
 What is left of the step's wall time is the time between two steps' jobs: the hand-off to the
 workers and back, the event loop's own work on the step's results, and a copy made ahead that

@@ -78,6 +78,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import asyncddp
+from asyncddp._data import split_batch
 
 BATCH = 256
 
@@ -206,9 +207,10 @@ class HandOffAll:
 
 
 def halved(batches: list[Any]) -> list[list[Any]]:
-    """Each batch in two halves along dim 0, contiguous, as asyncddp splits a batch for 2
-    devices (``tensor_split``): the shards of thread 0, then of thread 1."""
-    return [[(x.tensor_split(2)[i], y.tensor_split(2)[i]) for x, y in batches] for i in range(2)]
+    """Each batch split for 2 devices as the trainer splits it (``split_batch``: contiguous
+    halves, views): the shards of thread 0, then of thread 1."""
+    pairs = [split_batch(batch, 2) for batch in batches]
+    return [[pair[i] for pair in pairs] for i in range(2)]
 
 
 def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
