@@ -41,6 +41,13 @@ number of CPU threads in all (``torch.get_num_threads()``, all cores by default)
 - ddp-gloo-2: ``DistributedDataParallel`` over gloo, 2 processes on localhost, half the batch
               and half the threads each.
 
+Run only when named in ``--contenders`` (a design asyncddp does not take, measured for the docs):
+
+- handoff-1-ahead, by-hand-2-ahead: handoff-1 and by-hand-2-handoff with each step queued behind
+              the running one (two steps in flight), so that a worker finishing a step finds
+              the next one waiting instead of waiting for the event loop to hand it over: the
+              floor of a design that queues steps ahead of the one running.
+
 Each contender first trains one untimed pass over the same batches on the very threads it is
 then timed on, so that every figure is a step in steady state. A thread's first steps are slow
 (measured on the MLP, one device: the first 20 steps of a fit 4.7 ms a job, the next ones 3.65),
@@ -155,11 +162,15 @@ class HandOff:
             except BaseException as error:
                 loop.call_soon_threadsafe(_settle, future, None, error)
 
-    async def run(self, fn: Callable[[], Any]) -> Any:
+    def submit(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Queue ``fn`` behind the jobs queued before it; the future settles when it has run."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._jobs.put((fn, future, loop))
-        return await future
+        return future
+
+    async def run(self, fn: Callable[[], Any]) -> Any:
+        return await self.submit(fn)
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -191,19 +202,41 @@ class HandOffAll:
             if next(done) == len(self._queues):  # the last thread to finish wakes the loop
                 loop.call_soon_threadsafe(_settle, future, None, errors[0] if errors else None)
 
-    async def run(self, fns: list[Callable[[], Any]]) -> None:
+    def submit(self, fns: list[Callable[[], Any]]) -> asyncio.Future[None]:
+        """Queue ``fns[i]`` on thread ``i``; the future settles when every one has run."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         done, errors = itertools.count(1), list[BaseException]()
         for jobs, fn in zip(self._queues, fns, strict=True):
             jobs.put((fn, done, errors, future, loop))
-        await future
+        return future
+
+    async def run(self, fns: list[Callable[[], Any]]) -> None:
+        await self.submit(fns)
 
     def close(self) -> None:
         for jobs in self._queues:
             jobs.put(None)
         for thread in self._threads:
             thread.join()
+
+
+async def in_turn(
+    submit: Callable[[Any], asyncio.Future[Any]], steps: list[Any], ahead: bool
+) -> None:
+    """``submit`` each step and await it before the next; with ``ahead``, the next step is
+    submitted before the running one is awaited (two in flight, the worker never idle)."""
+    running: asyncio.Future[Any] | None = None
+    for one in steps:
+        queued = submit(one)
+        if running is not None:
+            await running
+        if ahead:
+            running = queued
+        else:
+            await queued
+    if running is not None:
+        await running
 
 
 def halved(batches: list[Any]) -> list[list[Any]]:
@@ -221,12 +254,15 @@ def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None
             future.set_exception(error)
 
 
-async def handed_off(make: Callable[[], nn.Module], batches: list[Any]) -> float:
-    """The plain loop's steps on a worker thread, awaited on the event loop one by one."""
+async def handed_off(
+    make: Callable[[], nn.Module], batches: list[Any], ahead: bool = False
+) -> float:
+    """The plain loop's steps on a worker thread, awaited on the event loop one by one (with
+    ``ahead``, each queued behind the running one)."""
     torch.manual_seed(0)
     model = make()
     optimizer = SGD(model.parameters())
-    seconds, _ = await _timed_pass(model, optimizer, batches, True, lambda: None)
+    seconds, _ = await _timed_pass(model, optimizer, batches, True, lambda: None, ahead)
     return len(batches) * BATCH / seconds
 
 
@@ -270,9 +306,12 @@ def _on_two_threads(
     return max(seconds)
 
 
-async def by_hand(make: Callable[[], nn.Module], batches: list[Any], handoff: bool) -> float:
+async def by_hand(
+    make: Callable[[], nn.Module], batches: list[Any], handoff: bool, ahead: bool = False
+) -> float:
     """Samples per second of a whole 2-way data-parallel step written by hand (see above); with
-    ``handoff``, each step handed from the event loop to the two threads and awaited."""
+    ``handoff``, each step handed from the event loop to the two threads and awaited (with
+    ``ahead``, each queued behind the running one)."""
     torch.manual_seed(0)
     models = [make() for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
@@ -310,9 +349,11 @@ async def by_hand(make: Callable[[], nn.Module], batches: list[Any], handoff: bo
         try:  # one intra-op thread each, as asyncddp's CPU workers
             await workers.run([functools.partial(torch.set_num_threads, 1)] * 2)
 
+            def submit(pair: tuple[Any, ...]) -> asyncio.Future[None]:
+                return workers.submit([functools.partial(one_step, i, pair[i]) for i in range(2)])
+
             async def run() -> None:
-                for pair in zip(*shards, strict=True):
-                    await workers.run([functools.partial(one_step, i, pair[i]) for i in range(2)])
+                await in_turn(submit, list(zip(*shards, strict=True)), ahead)
 
             await run()  # warm-up: the same pass, untimed
             start = time.perf_counter()
@@ -382,6 +423,7 @@ async def _timed_pass(
     batches: list[Any],
     handoff: bool,
     barrier: Callable[[], Any],
+    ahead: bool = False,
 ) -> tuple[float, float]:
     """One untimed pass over ``batches`` (the warm-up), then one timed between ``barrier()``
     calls (the ranks', if any): seconds, and this process's CPU seconds (every thread's). With ``handoff`` each step
@@ -393,8 +435,11 @@ async def _timed_pass(
         if worker is None:
             train(model, optimizer, batches)
             return
-        for batch in batches:
-            await worker.run(functools.partial(train, model, optimizer, [batch]))
+        await in_turn(
+            lambda batch: worker.submit(functools.partial(train, model, optimizer, [batch])),
+            batches,
+            ahead,
+        )
 
     try:
         await run()
@@ -474,12 +519,14 @@ async def measure(contender: str, workload: str, steps: int) -> float:
     batches = make_batches(shape, steps)
     if contender == "plain":
         return await plain(make, batches)
-    if contender == "handoff-1":
-        return await handed_off(make, batches)
+    if contender in ("handoff-1", HANDOFF_AHEAD):
+        return await handed_off(make, batches, ahead=contender == HANDOFF_AHEAD)
     if contender == "halves-2":
         return halves(make, batches)
-    if contender in (BY_HAND, BY_HAND_HANDOFF):
-        return await by_hand(make, batches, handoff=contender == BY_HAND_HANDOFF)
+    if contender in (BY_HAND, BY_HAND_HANDOFF, BY_HAND_AHEAD):
+        return await by_hand(
+            make, batches, handoff=contender != BY_HAND, ahead=contender == BY_HAND_AHEAD
+        )
     if contender.endswith("-noatomic"):
         return await with_asyncddp(make, batches, int(contender.split("-")[1]), atomic_steps=False)
     if contender == FIRST_EPOCH:
@@ -494,6 +541,9 @@ FIRST_EPOCH = "asyncddp-1-first-epoch"
 BY_HAND = "by-hand-2"
 BY_HAND_HANDOFF = "by-hand-2-handoff"
 MAIN_TEAM = "asyncddp-1-main-team"
+HANDOFF_AHEAD = "handoff-1-ahead"
+BY_HAND_AHEAD = "by-hand-2-ahead"
+OPT_IN = (HANDOFF_AHEAD, BY_HAND_AHEAD)  # run only when named in --contenders
 CONTENDERS = (
     "plain",
     "handoff-1",
@@ -507,6 +557,7 @@ CONTENDERS = (
     BY_HAND,
     BY_HAND_HANDOFF,
     "ddp-gloo-2",
+    *OPT_IN,
 )
 
 # What is printed under the figures: (contender, baseline, per_step, note): the ratio of their
@@ -523,6 +574,8 @@ RATIOS = (
     ("asyncddp-1", "plain", True, "(target <= +3%)"),
     ("asyncddp-1-noatomic", "plain", True, "(no step backup, as the plain loop)"),
     ("handoff-1", "plain", True, "(the floor of a free event loop)"),
+    (HANDOFF_AHEAD, "handoff-1", True, "(a step queued ahead, against one at a time)"),
+    (BY_HAND_AHEAD, BY_HAND_HANDOFF, False, "(a step queued ahead, against one at a time)"),
     (FIRST_EPOCH, "asyncddp-1", True, "(a fit's first epoch: its threads just started)"),
     (MAIN_TEAM, "asyncddp-1", True, "(the main thread ran a parallel op first)"),
 )
@@ -538,7 +591,11 @@ async def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--no-ddp", action="store_true", help="skip the DDP baseline")
     parser.add_argument(
-        "--contenders", nargs="+", choices=CONTENDERS, default=CONTENDERS, help="which to run"
+        "--contenders",
+        nargs="+",
+        choices=CONTENDERS,
+        default=[c for c in CONTENDERS if c not in OPT_IN],
+        help="which to run",
     )
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     args = parser.parse_args()
