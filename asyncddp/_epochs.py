@@ -28,6 +28,7 @@ from ._exceptions import ConfigurationError, DataError
 from ._jobs import Jobs, Sums
 from ._loader import Prefetcher
 from ._progress import ProgressTracker
+from ._ranks import rank_items_total
 from ._steps import Window, shard_items
 
 __all__ = ["EpochRecord", "Epochs"]
@@ -78,6 +79,11 @@ class Epochs(DistributedSteps):
     async def _train_epoch(self, data: Iterable[Any], epochs: int) -> bool:
         """Train on the epoch's batches (or the rest of them); False when ``stop()`` came first."""
         epoch, total = self.epoch, items_total(data)
+        # Progress counts this process's devices: its part of the data (the bar, which shows
+        # the steps' global item counts, counts all of it).
+        mine = total
+        if self._comm is not None:
+            mine = rank_items_total(data, self._comm.rank, self._comm.world_size)
         skip = self._batches_done
         resume_rng = None
         world = self._comm.world_size if self._comm is not None else 1
@@ -101,11 +107,11 @@ class Epochs(DistributedSteps):
             name for name in self._epoch_items if name not in {d.name for d in self.devices}
         ]  # a device dropped earlier in the epoch keeps its count
         tracker = ProgressTracker(
-            len(tracked), total, start=[self._epoch_items.get(n, 0) for n in tracked]
+            len(tracked), mine, start=[self._epoch_items.get(n, 0) for n in tracked]
         )
         started = time.perf_counter() - self._epoch_seconds
         window, pending, seen, exhausted = Window(), [], 0, True
-        bar = self._progress_bar(epoch, epochs, total, tracker.progress.items_processed)
+        bar = self._progress_bar(epoch, epochs, total, self._epoch_sums.items)
         self._last_global = None
 
         async def step(window: Window) -> None:

@@ -21,7 +21,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
-__all__ = ["rank_view"]
+from ._data import items_in, items_total
+from ._exceptions import DataError
+
+__all__ = ["rank_items_total", "rank_view"]
 
 
 def rank_view(
@@ -40,6 +43,30 @@ def rank_view(
         if plain and data.batch_sampler is not None:
             return _restride(data, _StridedBatchSampler(data.batch_sampler, rank, world_size, seed))
     return _Strided(data, rank, world_size, seed)
+
+
+def rank_items_total(data: Iterable[Any], rank: int, world_size: int) -> int | None:
+    """How many items rank ``rank``'s part of ``data`` holds (see :func:`rank_view`), when that
+    can be known without iterating; ``None`` otherwise."""
+    sharded = isinstance(data, DataLoader) and isinstance(data.sampler, DistributedSampler)
+    if sharded or world_size == 1:
+        return items_total(data)  # a DistributedSampler's len() is this rank's (padded) part
+    if isinstance(data, (list, tuple)):
+        try:
+            return sum(items_in(batch) for batch in data[rank::world_size])
+        except DataError:
+            return None
+    total = items_total(data)
+    size = getattr(data, "batch_size", None)
+    if total is None or not isinstance(size, int) or size < 1:
+        return None
+    # Batches of ``size`` items, the last one shorter if the loader keeps it: every
+    # ``world_size``-th of them, from ``rank`` on.
+    batches = -(-total // size)
+    mine = max(0, (batches - rank + world_size - 1) // world_size)
+    short = size * batches - total  # what the last batch lacks
+    last_is_mine = batches > 0 and (batches - 1) % world_size == rank
+    return mine * size - (short if last_is_mine else 0)
 
 
 class _StridedBatchSampler(Sampler[list[int]]):

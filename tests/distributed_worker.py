@@ -101,7 +101,17 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
     if scenario.startswith("exact"):  # exact1, exact2: devices per rank; exact-one: 1 batch
         t = trainer(1 if scenario == "exact-one" else int(scenario[-1]))
         data = batches(1) if scenario == "exact-one" else batches()
+
+        async def last_progress(stream: asyncddp.EventStream) -> list[Any]:
+            ends: dict[int, Any] = {}  # each epoch's last StepEnded.progress
+            async for event in stream:
+                if isinstance(event, asyncddp.StepEnded):
+                    ends[event.epoch] = event.progress
+            return [ends[epoch] for epoch in sorted(ends)]
+
+        watcher = asyncio.create_task(last_progress(t.events()))
         result = await t.fit(data, epochs=2, valid_data=batches(5, 10))
+        report["progress"] = [(p.items_processed, p.items_total, p.fraction) for p in await watcher]
         report["params"] = [p.detach().clone() for p in t.model.parameters()]
         report["history"] = [
             (r.train_loss, dict(r.train_metrics), dict(r.valid_metrics or {}), r.items)

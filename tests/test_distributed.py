@@ -170,6 +170,9 @@ def test_two_ranks_end_with_the_parameters_of_one_device(tmp_path: Path, devices
             # Validation over 5 batches on 2 ranks (3 + 2): exact over all 46 items.
             assert valid == pytest.approx(dict(record.valid_metrics or {}), abs=1e-6)
         assert report["validate"] == pytest.approx(metrics, abs=1e-6)
+        # Progress counts this rank's items, to this rank's part of the data, every epoch.
+        mine = 3 * 12 + 7 if report["rank"] == 0 else 3 * 12  # batches 0, 2, 4, 6 and 1, 3, 5
+        assert report["progress"] == [(mine, mine, 1.0)] * 2
 
 
 @pytest.mark.parametrize("devices", [1, 2], ids=["1-device-per-rank", "2-devices-per-rank"])
@@ -542,3 +545,34 @@ def test_a_distributed_sampler_gets_its_epoch_in_a_one_process_group_too() -> No
     loader = DataLoader(dataset, batch_size=2, sampler=sampler)
     assert rank_view(loader, 0, 1, seed=0, epoch=3) is loader
     assert sampler.epoch == 3
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize(
+    ("size", "batch_size", "drop_last"),
+    [(20, 4, False), (23, 4, False), (23, 4, True), (5, 8, False)],
+)
+def test_a_ranks_item_count_is_that_of_the_batches_it_gets(
+    world_size: int, size: int, batch_size: int, drop_last: bool
+) -> None:
+    # What each rank's progress counts to: known without iterating, for a DataLoader (strided
+    # in its batch sampler or, for a subclass, iterated whole) and for a list of batches.
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from asyncddp._data import items_in
+    from asyncddp._ranks import rank_items_total, rank_view
+
+    class Subclass(DataLoader[Any]):
+        pass
+
+    dataset = TensorDataset(torch.zeros(size, 2))
+    loader = DataLoader(dataset, batch_size=batch_size, drop_last=drop_last)
+    listed = list(loader)
+    for data in (loader, Subclass(dataset, batch_size=batch_size, drop_last=drop_last), listed):
+        counts = []
+        for rank in range(world_size):
+            expected = sum(items_in(batch) for batch in rank_view(data, rank, world_size, seed=0))
+            assert rank_items_total(data, rank, world_size) == expected
+            counts.append(expected)
+        assert sum(counts) == (size // batch_size * batch_size if drop_last else size)
+    assert rank_items_total(iter(listed), 0, world_size) is None  # unknown without iterating
