@@ -94,9 +94,15 @@ class Resumable(Epochs):
         path = self.checkpoint_dir / _checkpoint.checkpoint_name(self.epoch, self.global_step)
         async with self._step_lock:
             state = await self._snapshot()
-        await anyio.to_thread.run_sync(_checkpoint.save, state, path)
-        _log.info("checkpoint saved: %s", path)
-        self._hub.publish(CheckpointSaved(str(path), self.epoch, self.global_step))
+        await self._write_checkpoint(state, path)
+
+    async def _write_checkpoint(self, state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+        """Write ``state`` to ``path`` (atomically, on a thread), then say so: a log record and
+        :class:`CheckpointSaved`, with the epoch and step the state holds."""
+        written: Path = await anyio.to_thread.run_sync(_checkpoint.save, state, path)
+        _log.info("checkpoint saved: %s", written)
+        self._hub.publish(CheckpointSaved(str(written), state["epoch"], state["global_step"]))
+        return written
 
     async def _resume_state(self, resume: str | os.PathLike[str]) -> dict[str, Any]:
         """The state to resume from: across ranks, rank 0 reads it and sends it to every rank."""

@@ -39,7 +39,7 @@ import anyio
 import torch
 from torch import nn
 
-from . import _checkpoint, _comm, distributed
+from . import _comm, distributed
 from ._data import items_total
 from ._devices import Device, DeviceSpec, resolve_devices
 from ._epochs import EpochRecord
@@ -420,7 +420,7 @@ class Trainer(Resumable):
         else:
             async with self._session("checkpoint"):
                 state = await self._snapshot()
-        return await anyio.to_thread.run_sync(_checkpoint.save, state, path)
+        return await self._write_checkpoint(state, path)
 
     def state_dict(self) -> dict[str, Any]:
         """The training state: model, optimizer, LR scheduler, loss scale, position, RNG.

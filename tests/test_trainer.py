@@ -688,6 +688,34 @@ async def test_events_come_in_order_with_exact_monotonic_progress(tmp_path: Any)
     assert [e.epoch for e in saved] == [1, 2]
 
 
+async def test_save_checkpoint_publishes_checkpoint_saved_with_the_step_it_holds(
+    tmp_path: Any,
+) -> None:
+    from asyncddp import _checkpoint
+
+    batches = make_batches([2] * 8)
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    stream = trainer.events()
+    paths = [await trainer.save_checkpoint(tmp_path / "before.ckpt")]  # no fit running
+
+    async def save_during_the_fit() -> None:
+        async for event in trainer.events():
+            if isinstance(event, StepEnded) and event.step == 2:
+                paths.append(await trainer.save_checkpoint(tmp_path / "during.ckpt"))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(save_during_the_fit)
+        await anyio.lowlevel.checkpoint()  # its stream opens before the fit starts
+        await trainer.fit(batches, epochs=1)
+    saved = [e for e in [event async for event in stream] if isinstance(e, CheckpointSaved)]
+    assert [e.path for e in saved] == [str(path) for path in paths]
+    for event, path in zip(saved, paths, strict=True):
+        state = _checkpoint.load(path)
+        assert (event.epoch, event.step) == (state["epoch"], state["global_step"])
+    assert saved[0].step == 0
+    assert saved[1].step >= 3  # saved after step 2 ended, between two steps
+
+
 async def test_a_slow_event_consumer_never_holds_training_back() -> None:
     batches = make_batches([2] * 30)
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
