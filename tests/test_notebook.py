@@ -32,7 +32,9 @@ def test_notebook_trains_cancels_fits_again_and_plots() -> None:
     assert widgets, "no notebook progress bar"
 
     # A running fit was cancelled and the same kernel fitted again.
-    cancelled = re.search(r"cancelled at epoch (\d+), step (\d+); the kernel lives on", text)
+    cancelled = re.search(
+        r"cancelled after (\d+) complete epochs and (\d+) steps; the kernel lives on", text
+    )
     assert cancelled is not None
     assert int(cancelled.group(2)) > 0
     again = re.search(r"epochs \d+ to (\d+) trained", text)
