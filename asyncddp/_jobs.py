@@ -21,6 +21,7 @@ import torch
 from . import _comm
 from ._comm import Comm, Global
 from ._data import move_to
+from ._exceptions import StepOutputError
 from ._replica import Replica, StepFunction, loss_and_metrics
 from ._sync import all_gather, all_reduce_chunk, clip_coefficient, reduce_scatter, scale_grads
 from ._worker import WorkerContext, after_job
@@ -208,6 +209,13 @@ class Jobs:
         if self.check_finite and not math.isfinite(value):
             raise NonFiniteLoss(value)  # before backward: this device adds no gradient
         (loss * work.weight if work.weight != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
+        if replica.params and not any(replica.used):
+            raise StepOutputError(
+                f"no parameter of the model given to the step on {ctx.device.name} got a "
+                "gradient: the loss was computed with another model. Use the step's model "
+                "argument, step(model, batch), not a model from outside the step (each device "
+                "trains its own replica)"
+            )
         replica.grads.attach()  # in case the step replaced a .grad
         items = work.items
         return Sums(

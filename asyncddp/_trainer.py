@@ -30,7 +30,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -49,7 +49,7 @@ from ._events import (
     FitEnded,
     FitStarted,
 )
-from ._exceptions import AsyncDDPError, ConfigurationError, WorkerFailedError
+from ._exceptions import AsyncDDPError, ConfigurationError, DataError, WorkerFailedError
 from ._jobs import Jobs, Sums, load_into, to_cpu
 from ._precision import LossScaler, autocast_dtype
 from ._replica import (
@@ -127,8 +127,9 @@ class Trainer(Resumable):
             Across processes, waiting for the other ranks in an exchange does not count. On
             one CPU device with ``atomic_steps``, a step's time includes the backup copied
             ahead of it.
-        on_failure: What a failed step does: ``"raise"`` (default), ``"retry"`` it up to
-            ``max_retries`` times, or ``"drop"`` the failed devices and go on with the rest.
+        on_failure: What a failed training step does: ``"raise"`` (default), ``"retry"`` it up
+            to ``max_retries`` times, or ``"drop"`` the failed devices and go on with the rest.
+            A failure in validation, and a non-finite loss with ``check_finite``, raise.
         max_retries: Retries per step with ``on_failure="retry"``.
         atomic_steps: Copy parameters and optimizer state before each optimizer step, so that
             a step that fails on any device is undone on every device. Costs one copy of both per
@@ -285,7 +286,10 @@ class Trainer(Resumable):
     def stop(self, reason: str = "stop() was called") -> None:
         """End the running ``fit`` at the next optimizer step boundary; it returns normally.
 
-        Safe to call from any task on the event loop, or from an event handler.
+        Safe to call from any task on the event loop, or from an event handler. It is for the
+        fit running now: a ``fit`` clears any earlier stop when it starts, so a stop called
+        before a fit's task has begun to run (just after ``asyncio.create_task(fit(...))``,
+        say) is lost; stop it once it runs (after its ``FitStarted`` event, for example).
         """
         self._stop_reason = reason
 
@@ -321,7 +325,9 @@ class Trainer(Resumable):
             WorkerFailedError: a device failed (after any retries); no replica's parameters
                 were changed by the failed step.
             StepOutputError: the step returned no scalar loss.
-            DataError: the data yields no batch, or a batch cannot be split.
+            DataError: the data yields no batch, or a batch cannot be split, or it is an
+                iterator (a generator, say), which can be read once, and more than one epoch
+                is to run.
             CheckpointError: ``resume`` names a checkpoint that cannot be read.
             ConfigurationError: ``epochs < 1``, or ``resume="latest"`` with none to find.
 
@@ -347,6 +353,10 @@ class Trainer(Resumable):
             await self._join()
             if resume is not None:
                 self._adopt(await self._resume_state(resume))
+            passes = epochs - self.epoch - (1 if self._epoch_trained else 0)
+            _check_reiterable(train_data, "train_data", passes)
+            if valid_data is not None:
+                _check_reiterable(valid_data, "valid_data", epochs - self.epoch)
             await self._wait_for_checkpoint_session()  # one may have begun while joining
             async with self._session("fit"):
                 self._hub.publish(
@@ -566,3 +576,14 @@ def _check(condition: bool, message: str) -> None:
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+def _check_reiterable(data: Iterable[Any], name: str, passes: int) -> None:
+    """Refuse, before any work, an iterator that would have to be read ``passes`` > 1 times: its
+    second epoch would find it used up."""
+    if passes > 1 and isinstance(data, Iterator):
+        raise DataError(
+            f"{name} is an iterator ({type(data).__name__}): it can be read once, and {passes} "
+            "epochs are to run. Pass something that starts over each time it is iterated: a "
+            "list of batches, a DataLoader, or an object whose __iter__ makes a new generator"
+        )

@@ -895,6 +895,25 @@ async def test_a_step_that_returns_no_scalar_loss_is_a_clear_error(step: Any, me
     assert trainer.global_step == 0
 
 
+async def test_a_step_that_trains_a_model_from_outside_it_is_a_clear_error() -> None:
+    # A common slip: the step closes over the user's model instead of using its argument.
+    # Every device would then train the first replica, and the others none: no error, wrong
+    # numbers. The devices whose replica got no gradient say so.
+    model = make_model()
+
+    def step(replica: nn.Module, batch: Any) -> torch.Tensor:
+        inputs, targets = batch
+        return F.cross_entropy(model(inputs), targets)  # not replica(inputs)
+
+    trainer = Trainer(model, SGD, step, devices=cpu_devices(2), progress_bar=False)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(StepOutputError, match=r"on cpu#1 got a gradient.*step\(model, batch\)"):
+        await trainer.fit(make_batches([4]), epochs=1)
+    assert trainer.global_step == 0
+    for param, old in zip(trainer.model.parameters(), before, strict=True):
+        assert torch.equal(param, old)
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [
@@ -907,6 +926,20 @@ async def test_bad_data_is_a_clear_error(data: Any, message: str) -> None:
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
     with pytest.raises(DataError, match=message):
         await trainer.fit(data, epochs=1)
+
+
+async def test_an_iterator_for_more_than_one_epoch_is_refused_before_any_work() -> None:
+    batches = make_batches([4, 4])
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    with pytest.raises(DataError, match=r"train_data is an iterator \(generator\).* 2 epochs"):
+        await trainer.fit((batch for batch in batches), epochs=2)
+    with pytest.raises(DataError, match=r"valid_data is an iterator \(list_iterator\)"):
+        await trainer.fit(batches, epochs=2, valid_data=iter(batches))
+    assert trainer.global_step == 0
+    # For one epoch, or the last one, an iterator is read once: that is fine.
+    await trainer.fit((batch for batch in batches), epochs=1, valid_data=iter(batches))
+    await trainer.fit(iter(batches), epochs=2)
+    assert trainer.global_step == 4
 
 
 def test_bad_configuration_fails_at_construction() -> None:
