@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import sys
 import time
 import warnings
@@ -21,10 +22,11 @@ import anyio
 from tqdm.auto import tqdm
 
 from . import _checkpoint, _comm
+from ._comm import PeerFailed, RankLost
 from ._data import items_in, items_total, pin
 from ._dsteps import DistributedSteps
 from ._events import EpochEnded, StepEnded, ValidationEnded
-from ._exceptions import ConfigurationError, DataError
+from ._exceptions import ConfigurationError, DataError, StepOutputError, WorkerFailedError
 from ._jobs import Jobs, Sums
 from ._loader import Prefetcher
 from ._progress import ProgressTracker
@@ -57,6 +59,7 @@ class Epochs(DistributedSteps):
     pin_memory: bool
     progress_bar: bool | None
     checkpoint_dir: Path | None
+    check_finite: bool
     _batches_done: int
     _epoch_rng: dict[str, Any] | None
     _epoch_sums: Sums
@@ -161,6 +164,14 @@ class Epochs(DistributedSteps):
             raise DataError("train_data yielded no batches; give at least one batch per epoch")
         self._epoch_trained = True
         record = self._epoch_record(epoch)
+        if not math.isfinite(record.train_loss) and not self.check_finite:
+            warnings.warn(
+                f"epoch {epoch}'s training loss is {record.train_loss}: the parameters are "
+                "likely non-finite too. Trainer(check_finite=True) stops at the first "
+                "non-finite loss and names its device and step",
+                RuntimeWarning,
+                stacklevel=3,  # the caller of fit
+            )
         _log.info(
             "epoch %d: train_loss=%.6g over %d items in %.2fs",
             epoch,
@@ -298,14 +309,22 @@ class Epochs(DistributedSteps):
             items_in(batch)
         shards = self._shards(batches)
         counts = [shard_items(shard) for shard in shards]
-        result = await self._require_scheduler().run(
-            jobs.validate,
-            list(zip(shards, counts, strict=True)),
-            items=counts,
-            step=self.global_step,
-            epoch=epoch,
-            phase="valid",
-        )
+        try:
+            result = await self._require_scheduler().run(
+                jobs.validate,
+                list(zip(shards, counts, strict=True)),
+                items=counts,
+                step=self.global_step,
+                epoch=epoch,
+                phase="valid",
+            )
+        except WorkerFailedError as error:
+            # No policy applies to validation (it changes no state): a failure raises.
+            if isinstance(error.__cause__, StepOutputError):
+                raise error.__cause__ from None  # a mistake in the step, not a device fault
+            if not isinstance(error.__cause__, (PeerFailed, RankLost)):
+                self._publish_failure(error, "raise")
+            raise
         for sums in result.outputs:
             totals.add(sums)
         return sum(counts)

@@ -218,20 +218,18 @@ class Steps:
             raise error.__cause__ from None  # a mistake in the step, not a device fault
         if isinstance(error.__cause__, NonFiniteLoss):
             await self._abandon_quietly()
-            raise NonFiniteLossError(
+            nonfinite = NonFiniteLossError(
                 loss=error.__cause__.loss,
                 device=error.device,
                 step=error.step,
                 epoch=error.epoch,
                 phase=error.phase,
-            ) from error.__cause__
+            )
+            self._publish_failure(nonfinite, "raise")
+            raise nonfinite from error.__cause__
         failed = {error.device.name, *(f.device.name for f in error.other_failures)}
         action = self._next_action(failed, attempt)
-        self._hub.publish(
-            WorkerFailed(
-                error.device.name, error.epoch, error.step, error.phase, str(error), action
-            )
-        )
+        self._publish_failure(error, action)
         if action == "raise":
             if not isinstance(error, WorkerTimeoutError):  # a hung device cannot undo
                 await self._abandon_quietly()
@@ -243,6 +241,14 @@ class Steps:
             raise error
         window.restart(len(self.devices), self.split_batches)
         self._hub.publish(StepRetried(epoch, self.global_step, attempt + 1))
+
+    def _publish_failure(self, error: WorkerFailedError, action: str) -> None:
+        """Tell the event streams that a device of this process failed, and what comes next."""
+        self._hub.publish(
+            WorkerFailed(
+                error.device.name, error.epoch, error.step, error.phase, str(error), action
+            )
+        )
 
     def _next_action(self, failed: set[str], attempt: int) -> str:
         if not self._consistent:

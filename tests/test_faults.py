@@ -295,14 +295,57 @@ async def test_a_non_finite_loss_names_its_device_and_step() -> None:
         check_finite=True,
         progress_bar=False,
     )
+    stream = trainer.events()
     with pytest.raises(NonFiniteLossError) as info:
         await trainer.fit(batches, epochs=1)
     assert info.value.device.name == "cpu#1"
     assert info.value.step == 4
     assert str(info.value).startswith("training worker on device cpu#1 failed: the loss is nan")
+    failed = [e async for e in stream if isinstance(e, asyncddp.WorkerFailed)]
+    assert [(e.device, e.step, e.phase, e.action) for e in failed] == [
+        ("cpu#1", 4, "train", "raise")
+    ]
+    assert failed[0].error == str(info.value)
     assert trainer.global_step == 4
     assert_params(trainer, plain_loop([[b] for b in batches[:4]]))
     TRIED.append("non-finite loss/middle/1 of 2")
+
+
+@pytest.mark.parametrize("policy", ["raise", "retry", "drop"])
+async def test_a_device_that_fails_in_validation_raises_whatever_the_policy(policy: str) -> None:
+    # The failure policy is for training steps; validation changes no state, and a failure in it
+    # raises at once, with a WorkerFailed event that says so.
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        lambda m, b: step(m, b)["loss"],
+        valid_step=failing_step(lambda m, b: step(m, b)["loss"], device=1),
+        devices=cpu_devices(2),
+        on_failure=policy,
+        progress_bar=False,
+    )
+    stream = trainer.events()
+    with pytest.raises(WorkerFailedError, match="phase valid") as info:
+        await trainer.fit(make_batches(2), epochs=2, valid_data=make_batches(1))
+    assert isinstance(info.value.__cause__, InjectedFailure)
+    assert trainer.global_step == 2  # the first epoch trained; its validation failed
+    events = [e async for e in stream]
+    failed = [e for e in events if isinstance(e, asyncddp.WorkerFailed)]
+    assert [(e.device, e.phase, e.action) for e in failed] == [("cpu#1", "valid", "raise")]
+    assert not [e for e in events if isinstance(e, (asyncddp.StepRetried, asyncddp.DeviceDropped))]
+
+
+async def test_a_valid_step_that_returns_no_loss_raises_step_output_error_itself() -> None:
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        lambda m, b: step(m, b)["loss"],
+        valid_step=lambda m, b: None,
+        devices=cpu_devices(2),
+        progress_bar=False,
+    )
+    with pytest.raises(asyncddp.StepOutputError, match="the step returned None"):
+        await trainer.validate(make_batches(1))
 
 
 async def test_without_check_finite_a_nan_loss_trains_on() -> None:
@@ -313,5 +356,6 @@ async def test_without_check_finite_a_nan_loss_trains_on() -> None:
         devices=cpu_devices(2),
         progress_bar=False,
     )
-    result = await trainer.fit(make_batches(2), epochs=1)  # as a plain loop would
+    with pytest.warns(RuntimeWarning, match=r"epoch 0's training loss is nan.*check_finite=True"):
+        result = await trainer.fit(make_batches(2), epochs=1)  # as a plain loop would
     assert result.global_step == 2
