@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._devices import DeviceSpec, cpu_devices, resolve_devices
+from ._devices import CPU_HINT, DeviceSpec, cpu_devices, resolve_devices
 from ._exceptions import AsyncDDPError
 
 __all__ = ["main"]
@@ -81,7 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         asyncio.run(demo(spec, args.epochs, args.batch_size, args.progress))
     except (AsyncDDPError, ImportError) as error:
-        print(f"asyncddp {args.command}: {error}", file=sys.stderr)
+        # The errors' hint names the Python API; here the same thing is an option.
+        option = "--devices " if args.command == "demo" else ""
+        message = str(error).replace(CPU_HINT, f"give {option}cpu#0,cpu#1 for two CPU workers")
+        print(f"asyncddp {args.command}: {message}", file=sys.stderr)
         return 2 if isinstance(error, ValueError) else 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

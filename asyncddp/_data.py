@@ -77,7 +77,7 @@ def items_in(batch: object) -> int:
     if len(sizes) > 1:
         raise DataError(
             f"the tensors of a batch must share their size along dim 0 (the batch dimension); "
-            f"got sizes {sorted(sizes)} in {_describe(batch)}"
+            f"got sizes {_sizes_in_order(batch)} in {_describe(batch)}"
         )
     return sizes.pop()
 
@@ -166,6 +166,17 @@ def items_total(data: Iterable[Any]) -> int | None:
 
 def _splittable(value: object) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def _sizes_in_order(value: object) -> list[int]:
+    """The dim 0 sizes of the tensors in ``value``, in the order :func:`_describe` lists them."""
+    if isinstance(value, torch.Tensor):
+        return [int(value.shape[0])] if value.dim() > 0 else []
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [size for item in value for size in _sizes_in_order(item)]
+    return []
 
 
 def _describe(value: object) -> str:

@@ -53,7 +53,7 @@ DeviceSpec: TypeAlias = (
     "str | int | torch.device | Device | Iterable[str | int | torch.device | Device]"
 )
 
-_CPU_HINT = "use asyncddp.cpu_devices(2) for two CPU workers"
+CPU_HINT = "use asyncddp.cpu_devices(2) for two CPU workers"
 
 
 def _cuda_device_count() -> int:
@@ -137,7 +137,7 @@ def resolve_devices(spec: DeviceSpec) -> tuple[Device, ...]:
         if name in seen:
             raise DeviceError(
                 f"device {name} is given twice in {spec!r}; each device gets one worker. "
-                f"For several workers on the CPU, {_CPU_HINT}"
+                f"For several workers on the CPU, {CPU_HINT}"
             )
         seen.add(name)
     return tuple(
@@ -180,7 +180,7 @@ def _parse(text: str) -> list[tuple[torch.device, str]]:
     if spec == "cuda":
         count = _cuda_device_count()
         if not count:
-            raise DeviceError(f"'cuda' was asked for, but no CUDA GPU is visible; {_CPU_HINT}")
+            raise DeviceError(f"'cuda' was asked for, but no CUDA GPU is visible; {CPU_HINT}")
         return _all_cuda(count)
     kind, sep, number = spec.partition(":" if ":" in spec else "#")
     if sep and number.isascii() and number.isdecimal():
@@ -190,7 +190,7 @@ def _parse(text: str) -> list[tuple[torch.device, str]]:
             return [(torch.device("cpu"), f"cpu#{int(number)}")]
     raise DeviceError(
         f"unknown device {text!r}; give 'auto', 'cuda', 'cpu', 'cuda:N' or an int. "
-        f"For several workers on the CPU, {_CPU_HINT}"
+        f"For several workers on the CPU, {CPU_HINT}"
     )
 
 
@@ -215,7 +215,7 @@ def _all_cuda(count: int) -> list[tuple[torch.device, str]]:
 def _cuda(index: int, asked: str) -> tuple[torch.device, str]:
     count = _cuda_device_count()
     if not count:
-        raise DeviceError(f"{asked} was asked for, but no CUDA GPU is visible; {_CPU_HINT}")
+        raise DeviceError(f"{asked} was asked for, but no CUDA GPU is visible; {CPU_HINT}")
     if not 0 <= index < count:
         visible = f"cuda:0 to cuda:{count - 1}" if count > 1 else "cuda:0"
         raise DeviceError(

@@ -48,7 +48,13 @@ def test_help_and_version() -> None:
 
 def test_bad_devices_are_a_clear_error_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--devices", "gpu7"]) == 2
-    assert "unknown device 'gpu7'" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "unknown device 'gpu7'" in error
+    # The hint is the command line's, not the Python API's.
+    assert "give --devices cpu#0,cpu#1 for two CPU workers" in error
+    assert "asyncddp.cpu_devices" not in error
+    assert main(["devices", "cpu,cpu"]) == 2
+    assert "give cpu#0,cpu#1 for two CPU workers" in capsys.readouterr().err
     assert main(["demo", "--epochs", "0"]) == 2
 
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -25,3 +27,13 @@ from asyncddp._data import count_items
 )
 def test_count_items(shard: object, items: int) -> None:
     assert count_items(shard) == items
+
+
+def test_a_batch_whose_tensors_differ_in_dim_0_names_their_sizes_in_order() -> None:
+    from asyncddp import DataError
+    from asyncddp._data import items_in
+
+    batch = {"x": torch.zeros(64, 8), "y": (torch.zeros(32, 1), torch.tensor(1.0))}
+    expected = "got sizes [64, 32] in {'x': tensor of shape (64, 8), 'y': (tensor of shape (32, 1)"
+    with pytest.raises(DataError, match=re.escape(expected)):
+        items_in(batch)
