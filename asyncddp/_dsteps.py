@@ -288,7 +288,7 @@ class DistributedSteps(Steps):
         opens = window.done == 0
         self._window_open = True
         apply = self._apply_work()  # its coefficient and unused parameters: found in the job
-        train = TrainWork(shards[0], float(counts[0]), counts[0], opens)
+        train = TrainWork(shards[0], float(counts[0]), counts[0], opens, per_item=1.0)
         exchange = self._exchange_work(window)
         comm = self._comm
         assert comm is not None

@@ -27,7 +27,7 @@ from ._data import items_in, items_total, pin
 from ._dsteps import DistributedSteps
 from ._events import EpochEnded, StepEnded, ValidationEnded
 from ._exceptions import ConfigurationError, DataError, StepOutputError, WorkerFailedError
-from ._jobs import Jobs, Sums
+from ._jobs import Jobs, Sums, check_counts
 from ._loader import Prefetcher
 from ._progress import ProgressTracker
 from ._ranks import rank_items_total
@@ -278,25 +278,28 @@ class Epochs(DistributedSteps):
         modes = [replica.model.training for replica in self._replicas]
         for replica in self._replicas:
             replica.model.eval()
-        totals, items, pending = Sums(), 0, []
+        totals, pending = Sums(), []
         try:
             async with self._prefetcher(self._rank_data(data, 0), "valid_data") as batches:
                 async for batch in batches:
                     pending.append(batch)
                     if len(pending) == (1 if self.split_batches else len(self.devices)):
-                        items += await self._validate_step(jobs, pending, totals, epoch)
+                        await self._validate_step(jobs, pending, totals, epoch)
                         pending = []
                 if pending:
-                    items += await self._validate_step(jobs, pending, totals, epoch)
+                    await self._validate_step(jobs, pending, totals, epoch)
         finally:
             for replica, mode in zip(self._replicas, modes, strict=True):
                 replica.model.train(mode)
         if self._distributed():  # exact over every rank's items
             result = await self._exchange(_comm.VALIDATION, totals, last=epoch is None)
-            totals = Sums(result.items, result.loss, dict(result.metrics))
-            items = result.items
+            totals = Sums(result.items, result.loss, dict(result.metrics), counted=totals.counted)
+        items = totals.items  # the shards' sizes, or the counts the step gave ("items")
         if items == 0:
-            raise DataError("valid_data yielded no items; give at least one batch")
+            raise DataError(
+                "valid_data yielded no items; give at least one batch"
+                + (" (the step's 'items' were all 0)" if totals.counted else "")
+            )
         metrics = {"loss": totals.loss / items, **{k: v / items for k, v in totals.metrics.items()}}
         _log.info("validation: %s over %d items", _format(metrics), items)
         self._hub.publish(ValidationEnded(epoch, dict(metrics), items))
@@ -304,7 +307,7 @@ class Epochs(DistributedSteps):
 
     async def _validate_step(
         self, jobs: Jobs, batches: list[Any], totals: Sums, epoch: int | None
-    ) -> int:
+    ) -> None:
         for batch in batches:
             items_in(batch)
         shards = self._shards(batches)
@@ -325,9 +328,9 @@ class Epochs(DistributedSteps):
             if not isinstance(error.__cause__, (PeerFailed, RankLost)):
                 self._publish_failure(error, "raise")
             raise
+        check_counts(list(result.outputs))
         for sums in result.outputs:
             totals.add(sums)
-        return sum(counts)
 
     def _progress_bar(self, epoch: int, epochs: int, total: int | None, done: int) -> Any:
         enabled = self.progress_bar if self.progress_bar is not None else _interactive()

@@ -80,7 +80,8 @@ class StepOutputError(AsyncDDPError, TypeError):
     """A step function returned something other than a scalar loss tensor.
 
     A step returns the loss (a scalar tensor, the mean over the shard's items), or a mapping
-    with a ``"loss"`` entry and further metrics (scalars, means over the shard's items).
+    with a ``"loss"`` entry, optionally ``"items"`` (how many items the loss is the mean over,
+    a whole number), and further metrics (scalars, means over the same items).
     """
 
 

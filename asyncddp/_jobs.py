@@ -52,13 +52,15 @@ class NonFiniteLoss(Exception):
 class Sums:
     """Per-device sums over items: ``sum(loss_i * n_i)`` and the same for each metric.
 
-    ``used`` is a bit mask of the parameters that got a gradient (training only).
+    ``used`` is a bit mask of the parameters that got a gradient (training only). ``counted``:
+    the items are the counts the step gave (its ``"items"``), not the shards' sizes.
     """
 
     items: int = 0
     loss: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
     used: int = 0
+    counted: bool = False
 
     def add(self, other: Sums) -> None:
         self.items += other.items
@@ -66,6 +68,18 @@ class Sums:
         for name, value in other.metrics.items():
             self.metrics[name] = self.metrics.get(name, 0.0) + value
         self.used |= other.used
+        self.counted |= other.counted
+
+
+def check_counts(sums: list[Sums]) -> None:
+    """Refuse a step whose devices disagree on giving ``"items"`` (devices without data, which
+    ran no step, count for neither)."""
+    ran = [s for s in sums if s.items or s.counted]
+    if any(s.counted for s in ran) and not all(s.counted for s in ran):
+        raise StepOutputError(
+            "the step returned 'items' on some devices and not on others in the same optimizer "
+            "step; return it always, or never"
+        )
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,10 @@ class TrainWork:
     weight: float  # the loss is multiplied by it before backward
     items: int
     opens_window: bool  # the first forward of an optimizer step
+    # With a count from the step (its "items"), the loss is multiplied by this times the count
+    # instead, the sum scaled by 1 / the step's total later; None: a count changes no weight
+    # (one device in one process, one batch a step: its mean is the step's).
+    per_item: float | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +129,7 @@ class Meeting:
         self._round = 0
         self._left = False
         self._norms = [0.0] * parties
+        self._shared: list[Any] = [None] * parties
 
     def wait(self, ctx: WorkerContext) -> None:
         """Wait for every job, once this device's work so far is done (its stream's too: the
@@ -129,6 +148,12 @@ class Meeting:
             self._ready.wait_for(lambda: self._round != this or self._left)
             if self._round == this:
                 raise PeerLeft
+
+    def share(self, ctx: WorkerContext, value: Any) -> list[Any]:
+        """:meth:`wait`, handing ``value`` to every device; every device's, in device order."""
+        self._shared[ctx.device.index] = value
+        self.wait(ctx)
+        return list(self._shared)
 
     def total_norm_sq(self, ctx: WorkerContext, norm_sq: float) -> float:
         """Wait for every device's squared norm; their sum, in device order (as the event
@@ -153,6 +178,7 @@ class FusedWork:
     clip: float | None  # gradient_clip_val
     apply: ApplyWork  # its coefficient and unused parameters are worked out in the job
     meeting: Meeting | None = None  # None for a single device
+    earlier: int = 0  # the items of the window's earlier micro-steps
 
 
 @dataclass(frozen=True)
@@ -203,12 +229,15 @@ class Jobs:
         if work.items == 0:
             return Sums()
         output = self._forward(self.step, replica, work.shard, ctx)
-        loss, metrics = loss_and_metrics(output, training=True)
+        loss, metrics, counted = loss_and_metrics(output, training=True)
         # Host-device sync point: the loss comes back as a Python float.
         value = float(loss.detach())
         if self.check_finite and not math.isfinite(value):
             raise NonFiniteLoss(value)  # before backward: this device adds no gradient
-        (loss * work.weight if work.weight != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
+        weight = work.weight
+        if counted is not None and work.per_item is not None:
+            weight = work.per_item * counted
+        (loss * weight if weight != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
         if replica.params and not any(replica.used):
             raise StepOutputError(
                 f"no parameter of the model given to the step on {ctx.device.name} got a "
@@ -217,12 +246,13 @@ class Jobs:
                 "trains its own replica)"
             )
         replica.grads.attach()  # in case the step replaced a .grad
-        items = work.items
+        items = work.items if counted is None else counted
         return Sums(
             items,
             value * items,
             {k: float(v) * items for k, v in metrics.items()},
             replica.used_mask(),
+            counted is not None,
         )
 
     def validate(self, ctx: WorkerContext, work: tuple[Any, int]) -> Sums:
@@ -232,8 +262,15 @@ class Jobs:
             return Sums()
         with torch.no_grad():
             output = self._forward(self.valid_step, replica, shard, ctx)
-            loss, metrics = loss_and_metrics(output, training=False)
-        return Sums(items, float(loss) * items, {k: float(v) * items for k, v in metrics.items()})
+            loss, metrics, counted = loss_and_metrics(output, training=False)
+        if counted is not None:
+            items = counted
+        return Sums(
+            items,
+            float(loss) * items,
+            {k: float(v) * items for k, v in metrics.items()},
+            counted=counted is not None,
+        )
 
     def reduce(self, ctx: WorkerContext, work: tuple[float, bool, bool]) -> tuple[float, bool]:
         """This device's chunk of the all-reduce: into every replica (in one process), or into
@@ -295,14 +332,25 @@ class Jobs:
         try:
             sums = self.train(ctx, work.train)
             phase = "reduce"
+            everyone = [sums]
             if meeting is None:
                 grads, own, used = [replica.grads], 0, replica.used
             else:
-                meeting.wait(ctx)  # every device's gradients are in
+                everyone = meeting.share(ctx, sums)  # every device's gradients are in
                 grads, own = [r.grads for r in self.replicas], index
                 used = [any(flags) for flags in zip(*(r.used for r in self.replicas), strict=True)]
+            scale = work.scale
+            if work.train.per_item is not None and any(s.counted for s in everyone):
+                # Weighted by the step's own counts: the mean over all of them.
+                phase = "train"
+                check_counts(everyone)
+                phase = "reduce"
+                total = work.earlier + sum(s.items for s in everyone)
+                if not total:  # no item to learn from on any device: no step, as below
+                    return sums, replica.lr()
+                scale = 1.0 / total
             want_norm = work.clip is not None
-            norm_sq, _ = all_reduce_chunk(grads, own, work.scale, want_norm=want_norm)
+            norm_sq, _ = all_reduce_chunk(grads, own, scale, want_norm=want_norm)
             apply = work.apply
             if meeting is not None and apply.atomic and self._backup_in_parts():
                 phase = "optimizer"

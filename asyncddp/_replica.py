@@ -27,7 +27,8 @@ __all__ = [
     "loss_and_metrics",
 ]
 
-#: ``step(model, batch)`` returns the loss, or a mapping with ``"loss"`` and further metrics.
+#: ``step(model, batch)`` returns the loss, or a mapping with ``"loss"``, optionally ``"items"``
+#: (how many items the loss is the mean over) and further metrics.
 StepFunction = Callable[[nn.Module, Any], "torch.Tensor | Mapping[str, Any]"]
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -124,13 +125,19 @@ def build_replica(
     return Replica(device, model, opt, scheduler(opt) if scheduler is not None else None)
 
 
-def loss_and_metrics(output: object, *, training: bool) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Read a step's output: the scalar loss, and any further metrics."""
+def loss_and_metrics(
+    output: object, *, training: bool
+) -> tuple[torch.Tensor, dict[str, Any], int | None]:
+    """Read a step's output: the scalar loss, any further metrics, and the count of items the
+    loss is the mean over when the step gives one (``"items"``; ``None`` otherwise)."""
+    items = None
     if isinstance(output, torch.Tensor):
         loss, metrics = output, {}
     elif isinstance(output, Mapping) and "loss" in output:
         loss = output["loss"]
-        metrics = {str(k): v for k, v in output.items() if k != "loss"}
+        metrics = {str(k): v for k, v in output.items() if k not in ("loss", "items")}
+        if "items" in output:
+            items = _item_count(output["items"])
     else:
         raise StepOutputError(
             f"the step returned {_kind(output)}; return the loss (a scalar tensor, the mean over "
@@ -156,7 +163,26 @@ def loss_and_metrics(output: object, *, training: bool) -> tuple[torch.Tensor, d
             )
         if not isinstance(value, (torch.Tensor, int, float)):
             raise StepOutputError(f"metric {name!r} is {_kind(value)}, not a number or tensor")
-    return loss, metrics
+    return loss, metrics, items
+
+
+def _item_count(value: object) -> int:
+    """A step's ``"items"``: a whole number >= 0 (an int, or a one-element tensor)."""
+    number = float("nan")
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        number = float(value.detach())  # a host-device sync, as the loss's
+        shown = f"{number:g} (a tensor)"
+    elif isinstance(value, int) and not isinstance(value, bool):
+        number = float(value)
+        shown = repr(value)
+    else:
+        shown = repr(value) if isinstance(value, float) else _kind(value)
+    if not (number >= 0 and number.is_integer()):
+        raise StepOutputError(
+            f"the step's 'items' is {shown}; it counts the items the loss is the mean over "
+            "(tokens, say): a whole number >= 0, as an int or a one-element tensor"
+        )
+    return int(number)
 
 
 def _kind(value: object) -> str:

@@ -40,7 +40,16 @@ from ._exceptions import (
     WorkerFailedError,
     WorkerTimeoutError,
 )
-from ._jobs import ApplyWork, FusedWork, Jobs, Meeting, NonFiniteLoss, Sums, TrainWork
+from ._jobs import (
+    ApplyWork,
+    FusedWork,
+    Jobs,
+    Meeting,
+    NonFiniteLoss,
+    Sums,
+    TrainWork,
+    check_counts,
+)
 from ._precision import LossScaler
 from ._replica import Replica
 from ._scheduler import StepScheduler
@@ -286,12 +295,13 @@ class Steps:
                 weights = [scale * n / total if total else 0.0 for n in counts]
             else:  # the step's item count is known only at its end (or on every rank): then
                 weights = [scale * n for n in counts]
+            per_item = scale if self._per_item_weights() else None
             opens = window.done == 0
             if opens:
                 self._window_open = True
             if total or opens:
                 work = [
-                    TrainWork(shard, weight, n, opens)
+                    TrainWork(shard, weight, n, opens, per_item)
                     for shard, weight, n in zip(shards, weights, counts, strict=True)
                 ]
                 result = await self._require_scheduler().run(
@@ -302,12 +312,18 @@ class Steps:
                     epoch=epoch,
                     phase="train",
                 )
+                check_counts(list(result.outputs))
                 for device, count, sums in zip(self.devices, counts, result.outputs, strict=True):
                     window.sums.add(sums)
                     window.device_items[device.name] = (
                         window.device_items.get(device.name, 0) + count
                     )
             window.done += 1
+
+    def _per_item_weights(self) -> bool:
+        """Whether a count the step gives (its ``"items"``) weights the gradients: always but
+        for one device in one process with one batch a step, whose mean is the step's."""
+        return self.accumulate_grad_batches != 1 or self._distributed() or len(self.devices) > 1
 
     def _fusable(self, window: Window) -> bool:
         """The window's last micro-step, without loss scaling, runs as one job a device:
@@ -344,13 +360,15 @@ class Steps:
         weights = [float(c) if k_scale else (c / total if total else 0.0) for c in counts]
         apply = self._apply_work()  # its coefficient and unused parameters: found in the job
         meeting = Meeting(n) if n > 1 else None
+        per_item = 1.0 if self._per_item_weights() else None
         work = [
             FusedWork(
-                TrainWork(shard, weight, count, opens),
+                TrainWork(shard, weight, count, opens, per_item),
                 1.0 / items if k_scale else 1.0,
                 self.gradient_clip_val,
                 apply,
                 meeting,
+                window.sums.items,
             )
             for shard, weight, count in zip(shards, weights, counts, strict=True)
         ]
@@ -406,7 +424,9 @@ class Steps:
         if window.sums.items == 0:  # nothing to learn from: no step is taken or counted
             await self._abandon()
             return None
-        scale = 1.0 if self.accumulate_grad_batches == 1 else 1.0 / window.sums.items
+        # Weighted by items (see _forward_backward): the sum becomes the mean here.
+        per_item = self.accumulate_grad_batches != 1 or (window.sums.counted and n > 1)
+        scale = 1.0 / window.sums.items if per_item else 1.0
         if self._scaler is not None:
             scale /= self._scaler.scale
         want_norm = self.gradient_clip_val is not None

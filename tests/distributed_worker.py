@@ -69,6 +69,26 @@ def step(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     }
 
 
+def token_batches(count: int = 6, size: int = 8) -> list[tuple[torch.Tensor, ...]]:
+    """Sequences of 5 positions, each with its own number of valid tokens (0 to 5)."""
+    generator = torch.Generator().manual_seed(2)
+    out = []
+    for _ in range(count):
+        inputs = torch.randn(size, 5, 6, generator=generator)
+        targets = torch.randint(0, 3, (size, 5), generator=generator)
+        lengths = torch.randint(0, 6, (size,), generator=generator)
+        out.append((inputs, targets, (torch.arange(5) < lengths[:, None]).float()))
+    return out
+
+
+def token_step(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+    """The mean over the shard's valid tokens, and how many there are (``"items"``)."""
+    inputs, targets, mask = batch
+    losses = F.cross_entropy(model(inputs).transpose(1, 2), targets, reduction="none")
+    tokens = mask.sum()
+    return {"loss": (losses * mask).sum() / tokens.clamp(min=1), "items": tokens}
+
+
 def valid_step(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     inputs, targets = batch
     logits = model(inputs)
@@ -119,6 +139,12 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         ]
         report["global_step"] = result.global_step
         report["validate"] = await t.validate(batches(5, 10))
+    elif scenario.startswith("counted"):  # counted1, counted2: devices per rank
+        t = trainer(int(scenario[-1]), step=token_step)
+        result = await t.fit(token_batches(), epochs=1)
+        report["params"] = [p.detach().clone() for p in t.model.parameters()]
+        report["global_step"] = result.global_step
+        report["epoch"] = (result.history[0].train_loss, result.history[0].items)
     elif scenario.startswith("fit-then-join"):  # fit-then-join1, 2: devices per rank
         # A fit in one process first (no group yet: the gradients are reduced in process, and
         # every rank trains on every batch), then the trainer joins the group: the same

@@ -1519,3 +1519,139 @@ async def test_a_step_on_several_devices_is_one_job_a_device_without_a_step_time
     else:
         assert steps == ["train", "reduce", "optimizer"] * 3
     assert_close(trainer.model, reference(batches, 1, SGD, clip=0.5))
+
+
+# -- a step that counts its own items ("items": tokens, say) ---------------------------------------
+
+
+def token_batches(sizes: list[int], seed: int = 3) -> list[tuple[torch.Tensor, ...]]:
+    """Sequences of 5 positions, each item with its own number of valid tokens (0 to 5)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for size in sizes:
+        inputs = torch.randn(size, 5, FEATURES, generator=generator)
+        targets = torch.randint(0, 3, (size, 5), generator=generator)
+        lengths = torch.randint(0, 6, (size,), generator=generator)
+        mask = (torch.arange(5) < lengths[:, None]).float()
+        out.append((inputs, targets, mask))
+    return out
+
+
+def token_step(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+    """The mean over the shard's valid tokens, and how many there are."""
+    inputs, targets, mask = batch
+    losses = F.cross_entropy(model(inputs).transpose(1, 2), targets, reduction="none")
+    tokens = mask.sum()
+    loss = (losses * mask).sum() / tokens.clamp(min=1)
+    hits = ((model(inputs).argmax(-1) == targets).float() * mask).sum() / tokens.clamp(min=1)
+    return {"loss": loss, "items": tokens, "accuracy": hits}
+
+
+def token_reference(windows: list[list[tuple[torch.Tensor, ...]]]) -> tuple[nn.Module, float]:
+    """A plain loop: each optimizer step the mean over every valid token of its batches; and
+    the epoch's loss, the mean over every token of the steps' losses."""
+    model = make_model()
+    opt = SGD(model.parameters())
+    loss_sum, tokens_sum = 0.0, 0.0
+    for window in windows:
+        inputs, targets, mask = (torch.cat(parts) for parts in zip(*window, strict=True))
+        opt.zero_grad()
+        losses = F.cross_entropy(model(inputs).transpose(1, 2), targets, reduction="none")
+        loss = (losses * mask).sum() / mask.sum()
+        loss.backward()
+        opt.step()
+        loss_sum += float(loss.detach()) * float(mask.sum())
+        tokens_sum += float(mask.sum())
+    return model, loss_sum / tokens_sum
+
+
+@pytest.mark.parametrize(
+    ("devices", "options"),
+    [
+        (1, {}),
+        (2, {}),  # one job a device a step, the devices meeting
+        (3, {}),  # 7 items on 3 devices: uneven shards
+        (2, {"step_timeout": 30.0}),  # the phases as jobs apart
+        (2, {"accumulate_grad_batches": 2}),
+        (1, {"accumulate_grad_batches": 2}),
+    ],
+    ids=["1-device", "2-devices", "3-devices", "jobs-apart", "accumulate", "1-device-accumulate"],
+)
+async def test_a_step_that_counts_its_items_is_the_mean_over_all_of_them(
+    devices: int, options: dict[str, Any]
+) -> None:
+    # Each device's loss is the mean over its own valid tokens; the step's must be the mean
+    # over every device's tokens, not the mean of the devices' means (what averaging the
+    # devices' gradients gives when their token counts differ).
+    batches = token_batches([7, 8, 6, 7])
+    trainer = Trainer(
+        make_model(), SGD, token_step, devices=cpu_devices(devices), progress_bar=False, **options
+    )
+    stream = trainer.events()
+    result = await trainer.fit(batches, epochs=1)
+    per_step = options.get("accumulate_grad_batches", 1)
+    windows = [batches[i : i + per_step] for i in range(0, len(batches), per_step)]
+    expected, loss = token_reference(windows)
+    assert_close(trainer.model, expected)
+    tokens = int(sum(float(mask.sum()) for _, _, mask in batches))
+    record = result.history[0]
+    assert record.items == tokens  # the counts the step gave, not the 28 sequences
+    assert record.train_loss == pytest.approx(loss, rel=1e-5)
+    assert "items" not in record.train_metrics
+    steps = [e async for e in stream if isinstance(e, StepEnded)]
+    assert steps[-1].progress.items_processed == 28  # progress counts the sequences
+    valid = await trainer.validate(batches)
+    inputs, targets, mask = (torch.cat(parts) for parts in zip(*batches, strict=True))
+    with torch.no_grad():
+        losses = F.cross_entropy(expected(inputs).transpose(1, 2), targets, reduction="none")
+    assert valid["loss"] == pytest.approx(float((losses * mask).sum() / mask.sum()), rel=1e-5)
+
+
+async def test_a_step_whose_tokens_are_all_padding_takes_no_optimizer_step() -> None:
+    batches = token_batches([4, 4])
+    for _, _, mask in batches[1:]:
+        mask.zero_()
+    trainer = Trainer(make_model(), SGD, token_step, devices=cpu_devices(2), progress_bar=False)
+    result = await trainer.fit(batches, epochs=1)
+    assert result.global_step == 1
+    expected, _ = token_reference([batches[:1]])
+    assert_close(trainer.model, expected)
+
+
+async def test_a_step_that_counts_items_on_some_devices_only_is_a_clear_error() -> None:
+    def sometimes(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+        output = token_step(model, batch)
+        ctx = asyncddp.current_worker()
+        if ctx is not None and ctx.device.index == 1:
+            del output["items"]
+        return output
+
+    for options in ({}, {"step_timeout": 30.0}):
+        trainer = Trainer(
+            make_model(), SGD, sometimes, devices=cpu_devices(2), progress_bar=False, **options
+        )
+        with pytest.raises(StepOutputError, match="'items' on some devices and not on others"):
+            await trainer.fit(token_batches([4]), epochs=1)
+        assert trainer.global_step == 0
+
+
+@pytest.mark.parametrize(
+    ("items", "message"),
+    [
+        (2.5, "'items' is 2.5;"),
+        (-1, "'items' is -1;"),
+        (torch.tensor(1.5), r"'items' is 1.5 \(a tensor\)"),
+        (torch.ones(2), "'items' is a tensor of shape \\(2,\\)"),
+        ("3", "'items' is a str"),
+        (True, "'items' is a bool"),
+    ],
+)
+async def test_a_count_of_items_that_is_not_a_whole_number_is_a_clear_error(
+    items: Any, message: str
+) -> None:
+    def step(model: nn.Module, batch: Any) -> dict[str, Any]:
+        return {"loss": loss_step(model, batch), "items": items}
+
+    trainer = Trainer(make_model(), SGD, step, devices=cpu_devices(2), progress_bar=False)
+    with pytest.raises(StepOutputError, match=message):
+        await trainer.fit(make_batches([4]), epochs=1)
