@@ -56,8 +56,8 @@ __all__ = ["Comm", "Failure", "Global", "PeerFailed", "RankLost"]
 
 # Exchange kinds.
 STEP, VALIDATION, STOP_CHECK, FIT_END, SETUP, MODEL = 1, 2, 3, 4, 5, 6
-_KIND, _ITEMS, _LOSS, _ACTIVE, _FAILED, _STOP, _NEW, _BUCKETS = range(8)
-_FIXED = 8
+_KIND, _ITEMS, _LOSS, _ACTIVE, _FAILED, _STOP, _NEW, _BUCKETS, _COUNTED = range(9)
+_FIXED = 9
 
 #: Gradient all-reduces are issued in buckets of at most this many bytes (as DDP's 25 MB).
 BUCKET_BYTES = 25 * 1024 * 1024
@@ -135,6 +135,7 @@ class Global:
     loss: float = 0.0
     active: int = 0
     stop: int = 0
+    counted: int = 0  # the ranks whose items are counts their step gave ("items")
     used: list[bool] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -232,6 +233,7 @@ class Comm:
         stop: bool = False,
         used: Sequence[bool] | None = None,
         buckets: Sequence[torch.Tensor] = (),
+        counted: bool = False,
     ) -> Global:
         """One exchange's header (blocking). Raises :class:`PeerFailed` if a rank failed.
 
@@ -243,6 +245,7 @@ class Comm:
         new = [name for name in metrics if name not in self.names]
         values = self._fill(kind, items, loss, metrics, active, stop, used, failed=False, new=new)
         values[_BUCKETS] = float(bool(buckets))  # sent with the header
+        values[_COUNTED] = float(counted)
         self._all_reduce(values, buckets)
         if values[_BUCKETS] > 0 and not buckets:
             self._join_buckets(None)  # others sent a step's buckets: out of step, or failed
@@ -262,6 +265,7 @@ class Comm:
             loss=float(values[_LOSS]),
             active=round(float(values[_ACTIVE])),
             stop=round(float(values[_STOP])),
+            counted=round(float(values[_COUNTED])),
             used=[bool(v > 0) for v in values[_FIXED : _FIXED + n].tolist()],
             metrics={
                 name: float(total)
@@ -286,7 +290,8 @@ class Comm:
         new: Sequence[str],
     ) -> torch.Tensor:
         values = torch.zeros(_FIXED + self.params + 2 * len(self.names), dtype=torch.float64)
-        fixed = [kind, items, loss, float(active), float(failed), float(stop), float(bool(new)), 0]
+        fixed = [kind, items, loss, float(active), float(failed), float(stop), float(bool(new))]
+        fixed += [0.0, 0.0]  # _BUCKETS and _COUNTED: set by the caller
         values[:_FIXED] = torch.tensor(fixed, dtype=torch.float64)
         if used is not None:
             values[_FIXED : _FIXED + self.params] = torch.tensor(

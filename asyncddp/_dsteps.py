@@ -269,6 +269,7 @@ class DistributedSteps(Steps):
             clip=self.gradient_clip_val,
             loss_scale=self._scaler.scale if self._scaler is not None else None,
             stop=lambda: self._stop_reason is not None,
+            ref=window.ref,
         )
 
     def _settle(self, window: Window, result: Global) -> None:
@@ -279,6 +280,7 @@ class DistributedSteps(Steps):
             result.loss,
             dict(result.metrics),
             sum(1 << i for i, used in enumerate(result.used) if used),
+            result.counted > 0,
         )
         self._agree_on_stop(result)
 
@@ -288,7 +290,11 @@ class DistributedSteps(Steps):
         opens = window.done == 0
         self._window_open = True
         apply = self._apply_work()  # its coefficient and unused parameters: found in the job
-        train = TrainWork(shards[0], float(counts[0]), counts[0], opens, per_item=1.0)
+        if opens:
+            window.ref = self._reference_count(counts[0])
+        train = TrainWork(
+            shards[0], counts[0] / window.ref, counts[0], opens, per_item=1.0 / window.ref
+        )
         exchange = self._exchange_work(window)
         comm = self._comm
         assert comm is not None
@@ -328,6 +334,11 @@ class DistributedSteps(Steps):
         window.device_items[name] = window.device_items.get(name, 0) + counts[0]
         window.done += 1
         self._settle(window, result_global)
+        if window.sums.counted and window.sums.items == 0:
+            # Counts from the step, every one 0: no rank stepped; undo the forwards (model
+            # buffers) as the ordinary path does.
+            await self._abandon()
+            return lr
         self._window_open = False
         return lr
 

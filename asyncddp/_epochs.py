@@ -82,8 +82,7 @@ class Epochs(DistributedSteps):
     async def _train_epoch(self, data: Iterable[Any], epochs: int) -> bool:
         """Train on the epoch's batches (or the rest of them); False when ``stop()`` came first."""
         epoch, total = self.epoch, items_total(data)
-        # Progress counts this process's devices: its part of the data (the bar, which shows
-        # the steps' global item counts, counts all of it).
+        # Progress (and the bar) count this process's devices: its part of the data.
         mine = total
         if self._comm is not None:
             mine = rank_items_total(data, self._comm.rank, self._comm.world_size)
@@ -114,7 +113,7 @@ class Epochs(DistributedSteps):
         )
         started = time.perf_counter() - self._epoch_seconds
         window, pending, seen, exhausted = Window(), [], 0, True
-        bar = self._progress_bar(epoch, epochs, total, self._epoch_sums.items)
+        bar = self._progress_bar(epoch, epochs, mine, tracker.progress.items_processed)
         self._last_global = None
 
         async def step(window: Window) -> None:
@@ -160,7 +159,8 @@ class Epochs(DistributedSteps):
             self._epoch_seconds = time.perf_counter() - started
         if not exhausted:
             return False
-        if (self._epoch_sums.items == 0) if self._distributed() else (seen == 0):
+        sums = self._epoch_sums  # across ranks: a rank may have no batch of its own
+        if (sums.items == 0 and not sums.counted) if self._distributed() else (seen == 0):
             raise DataError("train_data yielded no batches; give at least one batch per epoch")
         self._epoch_trained = True
         record = self._epoch_record(epoch)
@@ -209,16 +209,21 @@ class Epochs(DistributedSteps):
             taken = window.sums.items > 0  # else nothing to learn from: no step was taken
             if taken:
                 self.global_step += 1
+                if window.sums.counted:  # what the next steps' counts are weighted against
+                    self._items_ref = float(window.sums.items)
         cancelled, self._cancelled_in_step = self._cancelled_in_step, None
         if cancelled is not None:  # across ranks: after a step that every rank took
             raise cancelled
+        # The window's batches are done, whether it made a step or not.
+        entries = [window.device_items.get(name, 0) for name in tracked]
+        progress = tracker.update(entries)
+        if not bar.disable:
+            bar.update(sum(entries))
         if not taken:
             return
-        progress = tracker.update([window.device_items.get(name, 0) for name in tracked])
         items = window.sums.items
         loss = window.sums.loss / items
         if not bar.disable:
-            bar.update(items)
             bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
         self._hub.publish(
             StepEnded(

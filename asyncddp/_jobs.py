@@ -91,8 +91,10 @@ class TrainWork:
     items: int
     opens_window: bool  # the first forward of an optimizer step
     # With a count from the step (its "items"), the loss is multiplied by this times the count
-    # instead, the sum scaled by 1 / the step's total later; None: a count changes no weight
-    # (one device in one process, one batch a step: its mean is the step's).
+    # instead (the loss scale over a reference count, the same for every device: so that the
+    # weights stay near the loss scale, which fp16 needs), and the sum scaled by the reference
+    # over the step's total later; None: a count changes no weight (one device in one
+    # process, one batch a step: its mean is the step's).
     per_item: float | None = None
 
 
@@ -179,6 +181,8 @@ class FusedWork:
     apply: ApplyWork  # its coefficient and unused parameters are worked out in the job
     meeting: Meeting | None = None  # None for a single device
     earlier: int = 0  # the items of the window's earlier micro-steps
+    earlier_counted: bool | None = None  # whether they were counts (None: there were none)
+    ref: float = 1.0  # with counts, gradients are weighted by count / ref (see TrainWork)
 
 
 @dataclass(frozen=True)
@@ -189,6 +193,7 @@ class ExchangeWork:
     clip: float | None
     loss_scale: float | None  # fp16: the loss scale to undo, and check finiteness
     stop: Callable[[], bool]  # read when the exchange starts
+    ref: float = 1.0  # the gradients were weighted by items / ref (see TrainWork.per_item)
 
 
 class Jobs:
@@ -230,6 +235,10 @@ class Jobs:
             return Sums()
         output = self._forward(self.step, replica, work.shard, ctx)
         loss, metrics, counted = loss_and_metrics(output, training=True)
+        if counted == 0:
+            # Nothing to average over (every token of the shard is padding): the shard adds no
+            # gradient, and its loss (a mean over nothing, often NaN) counts for nothing.
+            return Sums(0, 0.0, dict.fromkeys(metrics, 0.0), counted=True)
         # Host-device sync point: the loss comes back as a Python float.
         value = float(loss.detach())
         if self.check_finite and not math.isfinite(value):
@@ -340,15 +349,17 @@ class Jobs:
                 grads, own = [r.grads for r in self.replicas], index
                 used = [any(flags) for flags in zip(*(r.used for r in self.replicas), strict=True)]
             scale = work.scale
-            if work.train.per_item is not None and any(s.counted for s in everyone):
+            before = [] if work.earlier_counted is None else [Sums(1, counted=work.earlier_counted)]
+            if any(s.counted for s in [*everyone, *before]):
                 # Weighted by the step's own counts: the mean over all of them.
                 phase = "train"
-                check_counts(everyone)
+                check_counts([*everyone, *before])
                 phase = "reduce"
                 total = work.earlier + sum(s.items for s in everyone)
-                if not total:  # no item to learn from on any device: no step, as below
+                if not total:  # no item to learn from: no step (the trainer undoes the window)
                     return sums, replica.lr()
-                scale = 1.0 / total
+                if work.train.per_item is not None:
+                    scale = work.ref / total
             want_norm = work.clip is not None
             norm_sq, _ = all_reduce_chunk(grads, own, scale, want_norm=want_norm)
             apply = work.apply
@@ -501,11 +512,17 @@ def exchange_gradients(
         stop=work.stop(),
         used=used,
         buckets=buckets,  # summed at the same time as the header
+        counted=local.counted,
     )
+    if 0 < result.counted < result.active:
+        raise StepOutputError(
+            f"the step returned 'items' on {result.counted} of the {result.active} processes "
+            "with data in this optimizer step; return it always, or never"
+        )
     if result.items == 0:
         return result, 1.0, True
     comm.broadcast_buffers(buffers)
-    scale = 1.0 / result.items
+    scale = work.ref / result.items
     if work.loss_scale is not None:
         scale /= work.loss_scale
     coefficient, finite = _comm.clip_and_scale(

@@ -45,7 +45,7 @@ class Resumable(Epochs):
             "batches_done": self._batches_done,
             "epoch_rng": self._epoch_rng,
             "epoch_trained": self._epoch_trained,
-            "epoch_sums": dataclasses.asdict(self._epoch_sums),
+            "epoch_sums": _sums_dict(self._epoch_sums),
             "epoch_items": dict(self._epoch_items),
             "epoch_seconds": self._epoch_seconds,
             "rng": _checkpoint.capture_rng(),
@@ -128,6 +128,13 @@ class Resumable(Epochs):
         else:
             path = Path(resume)
         return await anyio.to_thread.run_sync(_checkpoint.load, path)
+
+
+def _sums_dict(sums: Sums) -> dict[str, Any]:
+    state = dataclasses.asdict(sums)
+    if not sums.counted:
+        del state["counted"]  # as before counts existed: readable by versions without them
+    return state
 
 
 def _record_dict(record: EpochRecord) -> dict[str, Any]:

@@ -69,6 +69,7 @@ class Window:
 
     batches: list[list[Any]] = field(default_factory=list)  # per micro-step: 1, or 1 per device
     done: int = 0  # micro-steps whose forward and backward have run
+    ref: float = 1.0  # the reference count of counted items (see TrainWork.per_item)
     sums: Sums = field(default_factory=Sums)
     device_items: dict[str, int] = field(default_factory=dict)  # by device name
 
@@ -122,6 +123,7 @@ class Steps:
     _consistent: bool
     _apply_id: int
     _sparse_grads: bool  # the model makes sparse gradients (see has_sparse_gradients)
+    _items_ref: float | None  # the last counted step's total (see _reference_count)
     _cancelled_in_step: BaseException | None  # raised once the step is counted
 
     def _jobs(self) -> Jobs:
@@ -291,12 +293,16 @@ class Steps:
             shards = self._shards(window.batches[window.done])
             counts = [shard_items(shard) for shard in shards]
             total = sum(counts)
-            if self.accumulate_grad_batches == 1 and not self._distributed():
-                weights = [scale * n / total if total else 0.0 for n in counts]
-            else:  # the step's item count is known only at its end (or on every rank): then
-                weights = [scale * n for n in counts]
-            per_item = scale if self._per_item_weights() else None
             opens = window.done == 0
+            if opens:
+                window.ref = self._reference_count(total)
+            if not self._accumulates(window) and not self._distributed():
+                weights = [scale * n / total if total else 0.0 for n in counts]
+            elif not self._distributed():  # the step's item count is known only at its end
+                weights = [scale * n for n in counts]
+            else:  # ... and on every rank: over a reference count the ranks share
+                weights = [scale * n / window.ref for n in counts]
+            per_item = scale / window.ref if self._per_item_weights(window) else None
             if opens:
                 self._window_open = True
             if total or opens:
@@ -320,10 +326,23 @@ class Steps:
                     )
             window.done += 1
 
-    def _per_item_weights(self) -> bool:
+    def _accumulates(self, window: Window) -> bool:
+        """Whether the window's gradients add up over several micro-steps (accumulation, or a
+        retried window regrouped for fewer devices), to be scaled to a mean at its end."""
+        return self.accumulate_grad_batches != 1 or len(window.batches) > 1
+
+    def _per_item_weights(self, window: Window) -> bool:
         """Whether a count the step gives (its ``"items"``) weights the gradients: always but
         for one device in one process with one batch a step, whose mean is the step's."""
-        return self.accumulate_grad_batches != 1 or self._distributed() or len(self.devices) > 1
+        return self._accumulates(window) or self._distributed() or len(self.devices) > 1
+
+    def _reference_count(self, items: int) -> float:
+        """What counted items are weighted against (see ``TrainWork.per_item``): the last
+        counted step's total, else this micro-step's items (across ranks, 1: every rank must
+        use the same)."""
+        if self._items_ref is not None:
+            return self._items_ref
+        return 1.0 if self._distributed() else float(max(items, 1))
 
     def _fusable(self, window: Window) -> bool:
         """The window's last micro-step, without loss scaling, runs as one job a device:
@@ -355,12 +374,14 @@ class Steps:
             await self._forward_backward(window, epoch)
             return await self._optimizer_step(window)
         opens = window.done == 0
+        if opens:
+            window.ref = self._reference_count(total)
         self._window_open = True
-        k_scale = self.accumulate_grad_batches != 1  # see _forward_backward
+        k_scale = self._accumulates(window)  # see _forward_backward
         weights = [float(c) if k_scale else (c / total if total else 0.0) for c in counts]
         apply = self._apply_work()  # its coefficient and unused parameters: found in the job
         meeting = Meeting(n) if n > 1 else None
-        per_item = 1.0 if self._per_item_weights() else None
+        per_item = 1.0 / window.ref if self._per_item_weights(window) else None
         work = [
             FusedWork(
                 TrainWork(shard, weight, count, opens, per_item),
@@ -369,6 +390,8 @@ class Steps:
                 apply,
                 meeting,
                 window.sums.items,
+                None if opens else window.sums.counted,
+                window.ref,
             )
             for shard, weight, count in zip(shards, weights, counts, strict=True)
         ]
@@ -414,6 +437,11 @@ class Steps:
             window.device_items[device.name] = window.device_items.get(device.name, 0) + count
             lrs.append(lr)
         window.done += 1
+        if window.sums.items == 0:
+            # Counts from the step, every one 0: no step was taken; undo the forwards (model
+            # buffers) as the ordinary path does.
+            await self._abandon()
+            return lrs[0]
         self._window_open = False
         return lrs[0]
 
@@ -425,8 +453,11 @@ class Steps:
             await self._abandon()
             return None
         # Weighted by items (see _forward_backward): the sum becomes the mean here.
-        per_item = self.accumulate_grad_batches != 1 or (window.sums.counted and n > 1)
-        scale = 1.0 / window.sums.items if per_item else 1.0
+        scale = 1.0
+        if window.sums.counted and self._per_item_weights(window):
+            scale = window.ref / window.sums.items
+        elif self._accumulates(window):
+            scale = 1.0 / window.sums.items
         if self._scaler is not None:
             scale /= self._scaler.scale
         want_norm = self.gradient_clip_val is not None

@@ -139,6 +139,17 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         ]
         report["global_step"] = result.global_step
         report["validate"] = await t.validate(batches(5, 10))
+    elif scenario == "counted-on-rank-0":  # rank 1's step gives no "items": refused on both
+
+        def entries(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+            return {"loss": token_step(model, batch)["loss"]}
+
+        t = trainer(1, step=token_step if rank == 0 else entries)
+        try:
+            await t.fit(token_batches(), epochs=1)
+        except asyncddp.StepOutputError as error:
+            report["error"] = str(error)
+        report["global_step"] = t.global_step
     elif scenario.startswith("counted"):  # counted1, counted2: devices per rank
         t = trainer(int(scenario[-1]), step=token_step)
         result = await t.fit(token_batches(), epochs=1)

@@ -207,6 +207,15 @@ def test_a_step_that_counts_its_items_is_the_mean_over_every_ranks_items(
         assert report["epoch"][0] == pytest.approx(loss_sum / tokens, rel=1e-5)
 
 
+def test_a_step_that_counts_items_on_some_ranks_only_is_refused_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    first, second = both_reports("counted-on-rank-0", tmp_path)
+    for report in (first, second):
+        assert "returned 'items' on 1 of the 2 processes" in report["error"]
+        assert report["global_step"] == 0
+
+
 @pytest.mark.parametrize("devices", [1, 2], ids=["1-device-per-rank", "2-devices-per-rank"])
 def test_a_trainer_that_fit_before_joining_trains_exactly_across_ranks(
     tmp_path: Path, devices: int

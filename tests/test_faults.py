@@ -359,3 +359,31 @@ async def test_without_check_finite_a_nan_loss_trains_on() -> None:
     with pytest.warns(RuntimeWarning, match=r"epoch 0's training loss is nan.*check_finite=True"):
         result = await trainer.fit(make_batches(2), epochs=1)  # as a plain loop would
     assert result.global_step == 2
+
+
+@pytest.mark.parametrize(
+    ("devices", "groups"),
+    [(2, [[0, 1], [2, 3], [4], [5]]), (3, [[0, 1, 2], [3, 4, 5]])],
+    ids=["2-to-1", "3-to-2"],
+)
+async def test_a_step_retried_on_fewer_devices_with_whole_batches_is_one_mean(
+    devices: int, groups: list[list[int]]
+) -> None:
+    # split_batches=False: each device trains whole batches of its own. When one is dropped,
+    # the failed step's batches are regrouped for the devices left, into micro-steps of one
+    # step: the step is still the mean over all their items, not the sum of the micro-steps'
+    # means. The steps after it take a batch per device left.
+    batches = make_batches(6)
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        failing_step(lambda m, b: step(m, b)["loss"], device=1, at=1),
+        devices=cpu_devices(devices),
+        split_batches=False,
+        on_failure="drop",
+        progress_bar=False,
+    )
+    with pytest.warns(asyncddp.DeviceDroppedWarning):
+        result = await trainer.fit(batches, epochs=1)
+    assert result.global_step == len(groups)
+    assert_params(trainer, plain_loop([[batches[i] for i in group] for group in groups]))

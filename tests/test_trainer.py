@@ -1607,15 +1607,82 @@ async def test_a_step_that_counts_its_items_is_the_mean_over_all_of_them(
     assert valid["loss"] == pytest.approx(float((losses * mask).sum() / mask.sum()), rel=1e-5)
 
 
-async def test_a_step_whose_tokens_are_all_padding_takes_no_optimizer_step() -> None:
-    batches = token_batches([4, 4])
-    for _, _, mask in batches[1:]:
-        mask.zero_()
-    trainer = Trainer(make_model(), SGD, token_step, devices=cpu_devices(2), progress_bar=False)
+@pytest.mark.parametrize(
+    ("devices", "options"),
+    [(1, {}), (2, {}), (2, {"step_timeout": 30.0})],
+    ids=["1-device", "2-devices", "jobs-apart"],
+)
+async def test_a_step_whose_tokens_are_all_padding_takes_no_optimizer_step(
+    devices: int, options: dict[str, Any]
+) -> None:
+    # With SGD's momentum, a step taken on zero gradients would still move the parameters.
+    batches = token_batches([4, 4, 4])
+    batches[1][2].zero_()  # the middle batch: padding only
+    trainer = Trainer(
+        make_model(), SGD, token_step, devices=cpu_devices(devices), progress_bar=False, **options
+    )
+    stream = trainer.events()
     result = await trainer.fit(batches, epochs=1)
-    assert result.global_step == 1
-    expected, _ = token_reference([batches[:1]])
+    assert result.global_step == 2
+    expected, _ = token_reference([batches[:1], batches[2:]])
     assert_close(trainer.model, expected)
+    steps = [e async for e in stream if isinstance(e, StepEnded)]
+    assert [e.progress.items_processed for e in steps] == [4, 12]  # the skipped batch counts
+
+
+async def test_a_device_whose_shard_is_all_padding_adds_nothing_even_if_its_loss_is_nan() -> None:
+    # A mean over no token is NaN (0 / 0) on the device whose shard is all padding; the step is
+    # the mean over the other device's tokens, and no NaN reaches the gradients or the reports.
+    def unclamped(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+        inputs, targets, mask = batch
+        losses = F.cross_entropy(model(inputs).transpose(1, 2), targets, reduction="none")
+        return {"loss": (losses * mask).sum() / mask.sum(), "items": mask.sum()}
+
+    batches = token_batches([4, 4])
+    for _, _, mask in batches:
+        mask[2:] = 0  # the second half of each batch, device 1's shard: padding only
+    for options in ({}, {"step_timeout": 30.0}):
+        trainer = Trainer(
+            make_model(),
+            SGD,
+            unclamped,
+            devices=cpu_devices(2),
+            check_finite=True,
+            progress_bar=False,
+            **options,
+        )
+        result = await trainer.fit(batches, epochs=1)
+        expected, loss = token_reference([[batch] for batch in batches])
+        assert_close(trainer.model, expected)
+        assert result.history[0].train_loss == pytest.approx(loss, rel=1e-5)
+
+
+async def test_items_on_some_micro_steps_only_is_a_clear_error() -> None:
+    calls: dict[int, int] = {}
+
+    def first_only(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+        output = token_step(model, batch)
+        ctx = asyncddp.current_worker()
+        assert ctx is not None
+        calls[ctx.device.index] = calls.get(ctx.device.index, 0) + 1
+        if calls[ctx.device.index] % 2 == 0:  # a window's second micro-step gives no count
+            del output["items"]
+        return output
+
+    batches = token_batches([7, 8])
+    for devices in (1, 2):
+        calls.clear()
+        trainer = Trainer(
+            make_model(),
+            SGD,
+            first_only,
+            devices=cpu_devices(devices),
+            accumulate_grad_batches=2,
+            progress_bar=False,
+        )
+        with pytest.raises(StepOutputError, match="'items' on some devices and not on others"):
+            await trainer.fit(batches, epochs=1)
+        assert trainer.global_step == 0
 
 
 async def test_a_step_that_counts_items_on_some_devices_only_is_a_clear_error() -> None:
