@@ -143,6 +143,7 @@ class DistributedSteps(Steps):
         _, cancellation = await collective(comm.setup)
         self._comm = comm
         self._from_rank_0 = False  # the first fit or validate session takes rank 0's model
+        self._items_ref = None  # every rank must weight counted items alike: from 1 again
         if self._data_seed is None:
             self._data_seed = comm.data_seed
         if cancellation is not None:

@@ -150,9 +150,9 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         except asyncddp.StepOutputError as error:
             report["error"] = str(error)
         report["global_step"] = t.global_step
-    elif scenario.startswith("counted"):  # counted1, counted2: devices per rank
-        t = trainer(int(scenario[-1]), step=token_step)
-        result = await t.fit(token_batches(), epochs=1)
+    elif scenario.startswith("counted"):  # counted1, counted2, counted-uneven1, ...: devices
+        t = trainer(int(scenario[-1]), step=token_step)  # per rank; uneven: 7 batches, not 6
+        result = await t.fit(token_batches(7 if "uneven" in scenario else 6), epochs=1)
         report["params"] = [p.detach().clone() for p in t.model.parameters()]
         report["global_step"] = result.global_step
         report["epoch"] = (result.history[0].train_loss, result.history[0].items)

@@ -176,16 +176,18 @@ def test_two_ranks_end_with_the_parameters_of_one_device(tmp_path: Path, devices
 
 
 @pytest.mark.parametrize("devices", [1, 2], ids=["1-device-per-rank", "2-devices-per-rank"])
+@pytest.mark.parametrize("uneven", [False, True], ids=["even", "uneven"])
 def test_a_step_that_counts_its_items_is_the_mean_over_every_ranks_items(
-    tmp_path: Path, devices: int
+    tmp_path: Path, devices: int, uneven: bool
 ) -> None:
     # Each device's loss is the mean over its valid tokens ("items"); every step is the mean
-    # over the tokens of every device of every rank, as one device given them all.
-    reports, codes, _ = launch(f"counted{devices}", tmp_path)
+    # over the tokens of every device of every rank, as one device given them all. Uneven:
+    # 7 batches, so rank 1 has none for the last step and joins it without data.
+    reports, codes, _ = launch(f"counted{'-uneven' if uneven else ''}{devices}", tmp_path)
     assert codes == [0, 0]
     model = worker.model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    data = worker.token_batches()
+    data = worker.token_batches(7 if uneven else 6)
     loss_sum = 0.0
     for i in range(0, len(data), 2):  # a step: rank 0's batch and rank 1's
         inputs, targets, mask = (torch.cat(parts) for parts in zip(*data[i : i + 2], strict=True))
@@ -200,7 +202,7 @@ def test_a_step_that_counts_its_items_is_the_mean_over_every_ranks_items(
     tokens = int(sum(float(mask.sum()) for _, _, mask in data))
     for report in reports:
         assert report is not None
-        assert report["global_step"] == 3
+        assert report["global_step"] == (4 if uneven else 3)
         for mine, expected in zip(report["params"], model.parameters(), strict=True):
             torch.testing.assert_close(mine, expected.detach(), atol=1e-5, rtol=1e-5)
         assert report["epoch"][1] == tokens
