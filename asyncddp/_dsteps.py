@@ -233,6 +233,7 @@ class DistributedSteps(Steps):
                 metrics=sums.metrics,
                 active=active,
                 stop=stop,
+                counted=sums.counted,
             )
 
         result, cancellation = await collective(run)

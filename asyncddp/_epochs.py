@@ -216,7 +216,7 @@ class Epochs(DistributedSteps):
             raise cancelled
         # The window's batches are done, whether it made a step or not.
         entries = [window.device_items.get(name, 0) for name in tracked]
-        progress = tracker.update(entries)
+        progress = tracker.update(entries, step=taken)
         if not bar.disable:
             bar.update(sum(entries))
         if not taken:
@@ -297,7 +297,17 @@ class Epochs(DistributedSteps):
             for replica, mode in zip(self._replicas, modes, strict=True):
                 replica.model.train(mode)
         if self._distributed():  # exact over every rank's items
-            result = await self._exchange(_comm.VALIDATION, totals, last=epoch is None)
+            result = await self._exchange(
+                _comm.VALIDATION,
+                totals,
+                active=bool(totals.items or totals.counted),
+                last=epoch is None,
+            )
+            if 0 < result.counted < result.active:
+                raise StepOutputError(
+                    f"the validation step returned 'items' on {result.counted} of the "
+                    f"{result.active} processes with data; return it always, or never"
+                )
             totals = Sums(result.items, result.loss, dict(result.metrics), counted=totals.counted)
         items = totals.items  # the shards' sizes, or the counts the step gave ("items")
         if items == 0:
@@ -333,7 +343,7 @@ class Epochs(DistributedSteps):
             if not isinstance(error.__cause__, (PeerFailed, RankLost)):
                 self._publish_failure(error, "raise")
             raise
-        check_counts(list(result.outputs))
+        check_counts(list(result.outputs), totals if totals.items or totals.counted else None)
         for sums in result.outputs:
             totals.add(sums)
 

@@ -71,10 +71,11 @@ class Sums:
         self.counted |= other.counted
 
 
-def check_counts(sums: list[Sums]) -> None:
-    """Refuse a step whose devices disagree on giving ``"items"`` (devices without data, which
-    ran no step, count for neither)."""
-    ran = [s for s in sums if s.items or s.counted]
+def check_counts(sums: list[Sums], earlier: Sums | None = None) -> None:
+    """Refuse a step whose devices (or its micro-steps: ``earlier``, the window's sums so far)
+    disagree on giving ``"items"``; devices without data, which ran no step, count for
+    neither."""
+    ran = [s for s in [*sums, *([earlier] if earlier is not None else [])] if s.items or s.counted]
     if any(s.counted for s in ran) and not all(s.counted for s in ran):
         raise StepOutputError(
             "the step returned 'items' on some devices and not on others in the same optimizer "
@@ -247,7 +248,8 @@ class Jobs:
         if counted is not None and work.per_item is not None:
             weight = work.per_item * counted
         (loss * weight if weight != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
-        if replica.params and not any(replica.used):
+        if replica.params and not any(replica.used) and loss.grad_fn is not None:
+            # (A leaf loss, a constant that requires grad, comes from no model at all.)
             raise StepOutputError(
                 f"no parameter of the model given to the step on {ctx.device.name} got a "
                 "gradient: the loss was computed with another model. Use the step's model "
@@ -349,11 +351,11 @@ class Jobs:
                 grads, own = [r.grads for r in self.replicas], index
                 used = [any(flags) for flags in zip(*(r.used for r in self.replicas), strict=True)]
             scale = work.scale
-            before = [] if work.earlier_counted is None else [Sums(1, counted=work.earlier_counted)]
-            if any(s.counted for s in [*everyone, *before]):
+            before = None if work.earlier_counted is None else Sums(1, counted=work.earlier_counted)
+            if any(s.counted for s in everyone) or work.earlier_counted:
                 # Weighted by the step's own counts: the mean over all of them.
                 phase = "train"
-                check_counts([*everyone, *before])
+                check_counts(everyone, before)
                 phase = "reduce"
                 total = work.earlier + sum(s.items for s in everyone)
                 if not total:  # no item to learn from: no step (the trainer undoes the window)
@@ -404,7 +406,9 @@ class Jobs:
         """One device per rank: forward, backward, the exchange and the step in one job."""
         local = Sums()
         local.add(earlier)
-        local.add(self.train(ctx, train))
+        this = self.train(ctx, train)
+        check_counts([this], earlier)
+        local.add(this)
         replica = self.replicas[ctx.device.index]
         assert not replica.grads.loose, "a replica in a process group exchanges flat buffers"
         used = [bool(local.used >> i & 1) for i in range(len(replica.params))]

@@ -75,8 +75,9 @@ class ProgressTracker:
         self._items_total = items_total
         self._steps = 0
 
-    def update(self, step_items: Sequence[int]) -> Progress:
-        """Add one step's item counts (one per device, zero for a device that had none)."""
+    def update(self, step_items: Sequence[int], *, step: bool = True) -> Progress:
+        """Add one step's item counts (one per device, zero for a device that had none);
+        ``step=False`` for items that made no step (there was nothing to learn from)."""
         if len(step_items) != len(self._device_items):
             raise ConfigurationError(
                 f"expected {len(self._device_items)} item counts (one per device), "
@@ -87,7 +88,7 @@ class ProgressTracker:
                 raise ConfigurationError(f"item counts cannot be negative, got {list(step_items)}")
         for i, count in enumerate(step_items):
             self._device_items[i] += count
-        self._steps += 1
+        self._steps += step
         return self.progress
 
     @property

@@ -318,7 +318,8 @@ class Steps:
                     epoch=epoch,
                     phase="train",
                 )
-                check_counts(list(result.outputs))
+                earlier = window.sums if window.sums.items or window.sums.counted else None
+                check_counts(list(result.outputs), earlier)
                 for device, count, sums in zip(self.devices, counts, result.outputs, strict=True):
                     window.sums.add(sums)
                     window.device_items[device.name] = (
@@ -390,7 +391,7 @@ class Steps:
                 apply,
                 meeting,
                 window.sums.items,
-                None if opens else window.sums.counted,
+                window.sums.counted if window.sums.items or window.sums.counted else None,
                 window.ref,
             )
             for shard, weight, count in zip(shards, weights, counts, strict=True)

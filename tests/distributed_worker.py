@@ -44,6 +44,13 @@ def this_step() -> int:
     return ctx.step
 
 
+def this_device() -> int:
+    """The index of the device a step function runs on."""
+    ctx = asyncddp.current_worker()
+    assert ctx is not None
+    return ctx.device.index
+
+
 def model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
@@ -145,6 +152,23 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
             return {"loss": token_step(model, batch)["loss"]}
 
         t = trainer(1, step=token_step if rank == 0 else entries)
+        try:
+            await t.fit(token_batches(), epochs=1)
+        except asyncddp.StepOutputError as error:
+            report["error"] = str(error)
+        report["global_step"] = t.global_step
+    elif scenario.startswith("counted-micro-steps"):  # a window's 2nd micro-step gives no count
+        calls: dict[int, int] = {}
+
+        def first_only(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+            output = token_step(model, batch)
+            index = this_device()
+            calls[index] = calls.get(index, 0) + 1
+            if calls[index] % 2 == 0:
+                del output["items"]
+            return output
+
+        t = trainer(int(scenario[-1]), step=first_only, accumulate_grad_batches=2)
         try:
             await t.fit(token_batches(), epochs=1)
         except asyncddp.StepOutputError as error:

@@ -209,6 +209,16 @@ def test_a_step_that_counts_its_items_is_the_mean_over_every_ranks_items(
         assert report["epoch"][0] == pytest.approx(loss_sum / tokens, rel=1e-5)
 
 
+@pytest.mark.parametrize("devices", [1, 2], ids=["1-device-per-rank", "2-devices-per-rank"])
+def test_a_step_that_counts_items_on_some_micro_steps_only_is_refused_on_every_rank(
+    tmp_path: Path, devices: int
+) -> None:
+    first, second = both_reports(f"counted-micro-steps{devices}", tmp_path)
+    for report in (first, second):
+        assert "'items' on some devices and not on others" in report["error"]
+        assert report["global_step"] == 0
+
+
 def test_a_step_that_counts_items_on_some_ranks_only_is_refused_on_every_rank(
     tmp_path: Path,
 ) -> None:

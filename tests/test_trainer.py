@@ -928,6 +928,25 @@ async def test_bad_data_is_a_clear_error(data: Any, message: str) -> None:
         await trainer.fit(data, epochs=1)
 
 
+async def test_a_constant_loss_that_requires_grad_is_not_taken_for_another_models() -> None:
+    # A step may return a constant (a leaf that requires grad) for a batch with nothing to
+    # learn, as a plain loop allows: it comes from no model, so no "other model" error.
+    def step(model: nn.Module, batch: Any) -> torch.Tensor:
+        if not batch[0].any():  # the blank batches
+            return torch.zeros((), requires_grad=True)
+        return loss_step(model, batch)
+
+    batches = make_batches([4, 4, 4, 4])
+    for blank in batches[::2]:
+        blank[0].zero_()
+    for options in ({}, {"accumulate_grad_batches": 2}):
+        trainer = Trainer(
+            make_model(), SGD, step, devices=cpu_devices(2), progress_bar=False, **options
+        )
+        result = await trainer.fit(batches, epochs=1)
+        assert result.global_step == 4 // options.get("accumulate_grad_batches", 1)
+
+
 async def test_an_iterator_for_more_than_one_epoch_is_refused_before_any_work() -> None:
     batches = make_batches([4, 4])
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
@@ -1628,6 +1647,26 @@ async def test_a_step_whose_tokens_are_all_padding_takes_no_optimizer_step(
     assert_close(trainer.model, expected)
     steps = [e async for e in stream if isinstance(e, StepEnded)]
     assert [e.progress.items_processed for e in steps] == [4, 12]  # the skipped batch counts
+    assert [e.progress.steps for e in steps] == [1, 2]  # as items, not as a step
+
+
+async def test_a_validation_step_that_counts_items_on_some_batches_only_is_a_clear_error() -> None:
+    def first_only(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+        output = token_step(model, batch)
+        if batch[0].shape[0] != 4:  # the batches of 4 items give a count; the others not
+            del output["items"]
+        return output
+
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        token_step,
+        valid_step=first_only,
+        devices=cpu_devices(1),
+        progress_bar=False,
+    )
+    with pytest.raises(StepOutputError, match="'items' on some devices and not on others"):
+        await trainer.validate(token_batches([4, 5]))
 
 
 async def test_a_device_whose_shard_is_all_padding_adds_nothing_even_if_its_loss_is_nan() -> None:
@@ -1670,7 +1709,7 @@ async def test_items_on_some_micro_steps_only_is_a_clear_error() -> None:
         return output
 
     batches = token_batches([7, 8])
-    for devices in (1, 2):
+    for devices, options in [(1, {}), (2, {}), (2, {"step_timeout": 30.0})]:
         calls.clear()
         trainer = Trainer(
             make_model(),
@@ -1679,6 +1718,7 @@ async def test_items_on_some_micro_steps_only_is_a_clear_error() -> None:
             devices=cpu_devices(devices),
             accumulate_grad_batches=2,
             progress_bar=False,
+            **options,
         )
         with pytest.raises(StepOutputError, match="'items' on some devices and not on others"):
             await trainer.fit(batches, epochs=1)
