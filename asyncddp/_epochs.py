@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from . import _checkpoint, _comm
 from ._comm import PeerFailed, RankLost
-from ._data import items_in, items_total, pin
+from ._data import items_in, pin
 from ._dsteps import DistributedSteps
 from ._events import EpochEnded, StepEnded, ValidationEnded
 from ._exceptions import ConfigurationError, DataError, StepOutputError, WorkerFailedError
@@ -81,14 +81,10 @@ class Epochs(DistributedSteps):
 
     async def _train_epoch(self, data: Iterable[Any], epochs: int) -> bool:
         """Train on the epoch's batches (or the rest of them); False when ``stop()`` came first."""
-        epoch, total = self.epoch, items_total(data)
+        epoch, skip, resume_rng = self.epoch, self._batches_done, None
+        rank, world = (self._comm.rank, self._comm.world_size) if self._comm else (0, 1)
         # Progress (and the bar) count this process's devices: its part of the data.
-        mine = total
-        if self._comm is not None:
-            mine = rank_items_total(data, self._comm.rank, self._comm.world_size)
-        skip = self._batches_done
-        resume_rng = None
-        world = self._comm.world_size if self._comm is not None else 1
+        mine = rank_items_total(data, rank, world)
         if skip and self._epoch_rng is not None and self._batches_world != world:
             # Each rank counts its own batches, in an order of the ranks' own (their seed).
             raise ConfigurationError(
@@ -343,7 +339,7 @@ class Epochs(DistributedSteps):
             if not isinstance(error.__cause__, (PeerFailed, RankLost)):
                 self._publish_failure(error, "raise")
             raise
-        check_counts(list(result.outputs), totals if totals.items or totals.counted else None)
+        check_counts(list(result.outputs), totals)
         for sums in result.outputs:
             totals.add(sums)
 

@@ -73,9 +73,9 @@ class Sums:
 
 def check_counts(sums: list[Sums], earlier: Sums | None = None) -> None:
     """Refuse a step whose devices (or its micro-steps: ``earlier``, the window's sums so far)
-    disagree on giving ``"items"``; devices without data, which ran no step, count for
-    neither."""
-    ran = [s for s in [*sums, *([earlier] if earlier is not None else [])] if s.items or s.counted]
+    disagree on giving ``"items"``; sums of nothing (a device without data, a window with no
+    micro-step yet) count for neither."""
+    ran = [s for s in [*sums, earlier] if s is not None and (s.items or s.counted)]
     if any(s.counted for s in ran) and not all(s.counted for s in ran):
         raise StepOutputError(
             "the step returned 'items' on some devices and not on others in the same optimizer "
@@ -181,8 +181,7 @@ class FusedWork:
     clip: float | None  # gradient_clip_val
     apply: ApplyWork  # its coefficient and unused parameters are worked out in the job
     meeting: Meeting | None = None  # None for a single device
-    earlier: int = 0  # the items of the window's earlier micro-steps
-    earlier_counted: bool | None = None  # whether they were counts (None: there were none)
+    earlier: Sums = field(default_factory=Sums)  # the window's earlier micro-steps
     ref: float = 1.0  # with counts, gradients are weighted by count / ref (see TrainWork)
 
 
@@ -351,13 +350,12 @@ class Jobs:
                 grads, own = [r.grads for r in self.replicas], index
                 used = [any(flags) for flags in zip(*(r.used for r in self.replicas), strict=True)]
             scale = work.scale
-            before = None if work.earlier_counted is None else Sums(1, counted=work.earlier_counted)
-            if any(s.counted for s in everyone) or work.earlier_counted:
+            if any(s.counted for s in [*everyone, work.earlier]):
                 # Weighted by the step's own counts: the mean over all of them.
                 phase = "train"
-                check_counts(everyone, before)
+                check_counts(everyone, work.earlier)
                 phase = "reduce"
-                total = work.earlier + sum(s.items for s in everyone)
+                total = work.earlier.items + sum(s.items for s in everyone)
                 if not total:  # no item to learn from: no step (the trainer undoes the window)
                     return sums, replica.lr()
                 if work.train.per_item is not None:

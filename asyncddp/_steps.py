@@ -318,8 +318,7 @@ class Steps:
                     epoch=epoch,
                     phase="train",
                 )
-                earlier = window.sums if window.sums.items or window.sums.counted else None
-                check_counts(list(result.outputs), earlier)
+                check_counts(list(result.outputs), window.sums)
                 for device, count, sums in zip(self.devices, counts, result.outputs, strict=True):
                     window.sums.add(sums)
                     window.device_items[device.name] = (
@@ -390,8 +389,7 @@ class Steps:
                 self.gradient_clip_val,
                 apply,
                 meeting,
-                window.sums.items,
-                window.sums.counted if window.sums.items or window.sums.counted else None,
+                window.sums,
                 window.ref,
             )
             for shard, weight, count in zip(shards, weights, counts, strict=True)
