@@ -199,6 +199,12 @@ class Comm:
         self.layout: list[tuple[int, torch.dtype]] = []
         # Where collectives' tensors live: NCCL needs them on this process's GPU.
         self._wire = self.devices[0].torch_device if self.backend == "nccl" else torch.device("cpu")
+        if self._wire.type != "cuda" and self.backend == "nccl":
+            raise ConfigurationError(
+                f"the process group runs NCCL, which reduces on GPUs, but this trainer's first "
+                f"device is {self.devices[0].name}; train on the GPU (devices='auto'), or join "
+                "with asyncddp.distributed.init('gloo') to train on CPUs"
+            )
         self._incident = 0
         self._fingerprint = fingerprint
 

@@ -74,15 +74,18 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
     ``torchrun``, or by hand). Calling it again returns the group already joined.
 
     Args:
-        backend: ``"gloo"`` or ``"nccl"``; by default NCCL when CUDA is available, else gloo. With
-            NCCL the process's current GPU becomes ``cuda:LOCAL_RANK``.
+        backend: ``"gloo"`` or ``"nccl"``; by default NCCL when every process of this machine
+            has a GPU of its own (``LOCAL_WORLD_SIZE`` GPUs or more), else gloo, with which
+            processes may share a GPU. With NCCL the process's current GPU becomes
+            ``cuda:LOCAL_RANK``.
         timeout: Seconds a collective may wait for the other ranks before it fails (torch's
             default when ``None``: 10 minutes for NCCL, 30 for gloo). Failures of a rank are
             reported much sooner: see the module's description.
 
     Raises:
         ConfigurationError: the environment variables are missing (not launched by
-            ``torchrun``), or ``backend`` is unknown.
+            ``torchrun``), ``backend`` is unknown, or NCCL is asked for and this process has
+            no GPU of its own.
     """
     if dist.is_initialized():
         return _current()
@@ -93,10 +96,7 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
             "not set. Launch with `torchrun --nproc-per-node 2 your_script.py`, or set RANK, "
             "WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself"
         )
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ConfigurationError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    backend = _backend(backend)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(
@@ -105,6 +105,27 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
         timeout=None if timeout is None else datetime.timedelta(seconds=timeout),
     )
     return _current()
+
+
+def _backend(asked: str | None) -> str:
+    """The backend to join with: ``asked``, checked, or the default for this machine."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if asked is None:
+        # NCCL needs a GPU of its own for each process of a machine; with fewer, gloo (the
+        # processes then share the GPUs, and reduce through the CPU).
+        nccl = gpus >= max(local_size, local_rank + 1) and dist.is_nccl_available()
+        return "nccl" if nccl else "gloo"
+    if asked not in ("gloo", "nccl"):
+        raise ConfigurationError(f"backend must be 'gloo' or 'nccl', got {asked!r}")
+    if asked == "nccl" and local_rank >= gpus:
+        raise ConfigurationError(
+            f"NCCL needs a GPU for each process, but this one has LOCAL_RANK {local_rank} and "
+            f"{gpus} GPU(s) {'is' if gpus == 1 else 'are'} visible; start at most {gpus} "
+            "process(es) per machine, or join with asyncddp.distributed.init('gloo')"
+        )
+    return asked
 
 
 def is_initialized() -> bool:

@@ -125,7 +125,25 @@ def trainer(
 
 async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
     report: dict[str, Any] = {"rank": rank}
-    if scenario.startswith("exact"):  # exact1, exact2: devices per rank; exact-one: 1 batch
+    if scenario in ("exact-gpu", "exact-nccl"):  # on cuda:0: 2 ranks over gloo, 1 over NCCL
+        t = asyncddp.Trainer(
+            model(),
+            functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
+            step,
+            devices="cuda:0" if scenario == "exact-gpu" else "auto",  # auto: cuda:LOCAL_RANK
+            progress_bar=False,
+        )
+        result = await t.fit(batches(), epochs=2, valid_data=batches(5, 10))
+        world = asyncddp.distributed.world()
+        assert world is not None
+        report["backend"] = world.backend
+        report["devices"] = [device.name for device in t.devices]
+        report["params"] = [p.detach().cpu() for p in t.model.parameters()]
+        report["global_step"] = result.global_step
+        report["history"] = [
+            (r.train_loss, r.items, dict(r.valid_metrics or {})) for r in result.history
+        ]
+    elif scenario.startswith("exact"):  # exact1, exact2: devices per rank; exact-one: 1 batch
         t = trainer(1 if scenario == "exact-one" else int(scenario[-1]))
         data = batches(1) if scenario == "exact-one" else batches()
 
@@ -579,7 +597,9 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ["RANK"])
-    if not scenario.startswith("fit-then-join"):  # that one joins after a fit of its own
+    if scenario == "exact-nccl":
+        asyncddp.distributed.init(timeout=120)  # the default backend: NCCL on a GPU
+    elif not scenario.startswith("fit-then-join"):  # that one joins after a fit of its own
         asyncddp.distributed.init("gloo", timeout=120)
     torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)  # torch's one-time import cost
     try:

@@ -151,6 +151,62 @@ def assert_end_as_one_device(
             torch.testing.assert_close(mine, expected, atol=1e-5, rtol=1e-5)
 
 
+def gpu_reference(batches: list[Any]) -> tuple[list[torch.Tensor], asyncddp.FitResult]:
+    """One process on one GPU given ``batches`` (and the scenarios' validation batches): the
+    parameters (on the CPU) and the result."""
+    import anyio
+
+    trainer = asyncddp.Trainer(
+        worker.model(0),
+        functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
+        worker.step,
+        devices="cuda:0",
+        progress_bar=False,
+    )
+    fit = functools.partial(trainer.fit, batches, epochs=2, valid_data=worker.batches(5, 10))
+    result = anyio.run(fit)
+    return [p.detach().cpu() for p in trainer.model.parameters()], result
+
+
+@pytest.mark.cuda
+def test_two_ranks_on_a_gpu_over_gloo_end_with_the_parameters_of_one_gpu(tmp_path: Path) -> None:
+    # Gloo reduces on the CPU: every bucket goes from the GPU's stream to the CPU and back.
+    reports, codes, _ = launch("exact-gpu", tmp_path)
+    assert codes == [0, 0]
+    params, result = gpu_reference(merged(worker.batches()))
+    for report in reports:
+        assert report is not None
+        assert (report["backend"], report["devices"]) == ("gloo", ["cuda:0"])
+        assert report["global_step"] == result.global_step == 8
+        for mine, expected in zip(report["params"], params, strict=True):
+            torch.testing.assert_close(mine, expected, atol=1e-5, rtol=1e-5)
+        assert_history_like(report["history"], result)
+
+
+@pytest.mark.cuda
+def test_one_rank_on_nccl_trains_on_its_gpu_like_one_process(tmp_path: Path) -> None:
+    # NCCL needs a GPU per rank: with one GPU, one rank. Its exchange runs on NCCL's streams.
+    reports, codes, _ = launch("exact-nccl", tmp_path, world_size=1)
+    assert codes == [0]
+    params, result = gpu_reference(worker.batches())
+    (report,) = reports
+    assert report is not None
+    assert (report["backend"], report["devices"]) == ("nccl", ["cuda:0"])
+    assert report["global_step"] == result.global_step == 14
+    for mine, expected in zip(report["params"], params, strict=True):
+        torch.testing.assert_close(mine, expected, atol=1e-5, rtol=1e-5)
+    assert_history_like(report["history"], result)
+
+
+def assert_history_like(history: list[Any], result: asyncddp.FitResult) -> None:
+    """A rank's epochs (loss, items, validation metrics) are the reference fit's."""
+    for (loss, items, valid), record in zip(history, result.history, strict=True):
+        assert items == record.items == 6 * 12 + 7  # every item once, none repeated
+        assert loss == pytest.approx(record.train_loss, abs=1e-6)
+        assert valid == pytest.approx(dict(record.valid_metrics or {}), abs=1e-6)
+        assert set(valid) == {"loss", "accuracy"}
+
+
 @pytest.mark.parametrize("devices", [1, 2], ids=["1-device-per-rank", "2-devices-per-rank"])
 def test_two_ranks_end_with_the_parameters_of_one_device(tmp_path: Path, devices: int) -> None:
     reports, codes, _ = launch(f"exact{devices}", tmp_path)
@@ -548,6 +604,44 @@ def test_init_without_the_torchrun_environment_says_how_to_launch(
         asyncddp.distributed.init()
     assert asyncddp.distributed.world() is None
     assert not asyncddp.distributed.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("gpus", "local_rank", "local_size", "expected"),
+    [
+        (0, 0, 1, "gloo"),
+        (1, 0, 1, "nccl"),
+        (1, 0, 2, "gloo"),  # 2 processes, 1 GPU: NCCL refuses two ranks on one GPU
+        (1, 1, 2, "gloo"),
+        (2, 1, 2, "nccl"),
+        (8, 3, 4, "nccl"),
+    ],
+)
+def test_the_default_backend_is_nccl_only_with_a_gpu_for_every_local_process(
+    monkeypatch: pytest.MonkeyPatch, gpus: int, local_rank: int, local_size: int, expected: str
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_size))
+    assert asyncddp.distributed._backend(None) == expected
+    assert asyncddp.distributed._backend("gloo") == "gloo"
+
+
+def test_nccl_without_a_gpu_for_this_process_says_what_to_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(
+        asyncddp.ConfigurationError, match=r"LOCAL_RANK 1 and 1 GPU\(s\) is visible"
+    ):
+        asyncddp.distributed._backend("nccl")
+    with pytest.raises(asyncddp.ConfigurationError, match="'gloo' or 'nccl'"):
+        asyncddp.distributed._backend("mpi")
 
 
 # -- each rank's part of the data, without processes ---------------------------------------------
