@@ -239,14 +239,19 @@ class Jobs:
             # Nothing to average over (every token of the shard is padding): the shard adds no
             # gradient, and its loss (a mean over nothing, often NaN) counts for nothing.
             return Sums(0, 0.0, dict.fromkeys(metrics, 0.0), counted=True)
-        # Host-device sync point: the loss comes back as a Python float.
-        value = float(loss.detach())
-        if self.check_finite and not math.isfinite(value):
-            raise NonFiniteLoss(value)  # before backward: this device adds no gradient
+        if self.check_finite:
+            # Host-device sync point before backward: a non-finite loss adds no gradient.
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise NonFiniteLoss(value)
         weight = work.weight
         if counted is not None and work.per_item is not None:
             weight = work.per_item * counted
         (loss * weight if weight != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
+        if not self.check_finite:
+            # Host-device sync point, once the backward is queued: on a GPU its kernels are
+            # launched while the forward's still run, as in a plain loop, not after them.
+            value = float(loss.detach())
         if replica.params and not any(replica.used) and loss.grad_fn is not None:
             # (A leaf loss, a constant that requires grad, comes from no model at all.)
             raise StepOutputError(

@@ -148,7 +148,9 @@ class Trainer(Resumable):
         threads_per_worker: Intra-op threads for each CPU worker; by default the process's
             ``torch.get_num_threads()`` shared out among the CPU workers.
         check_finite: Raise :class:`NonFiniteLossError`, naming the device and step, when a
-            device's loss is NaN or infinite (costs nothing: the loss is read anyway).
+            device's loss is NaN or infinite, before its backward. On the CPU this costs
+            nothing; on a GPU the loss is then read before the backward's kernels are
+            launched, not after (measured on an H200: see docs/benchmarks.md, GPU).
     """
 
     def __init__(
