@@ -1,37 +1,76 @@
-"""GPU: do two workers on one GPU overlap on their own streams, and how do N GPUs scale?
+"""GPU: do two workers on one GPU overlap on their own streams, what does a step cost, and N GPUs?
 
-Run:  python bench/gpu.py            (on a machine with a CUDA GPU)
-      python bench/gpu.py --quick    (a smoke run; on a machine without one it runs the same
-                                      code on CPU workers, and says so)
+Run:  python bench/gpu.py [--trace DIR]   (on a machine with a CUDA GPU; about a minute)
+      python bench/gpu.py --quick          (a smoke run; on a machine without one it runs the
+                                            same code on CPU workers, and says so)
 
-1. Overlap: the same batch of matmuls runs on two workers at once, each on its own stream (and,
-   on a GPU, on the same device), against the same work done one after the other on one worker.
-   ``serial / concurrent`` near 2 means the two streams overlapped fully; near 1, not at all.
-   (A single big kernel fills an H100-class GPU alone: overlap shows with kernels that do not.)
-2. Scaling: training samples per second of the MLP 512-1024-10 on every visible GPU against one.
+1. Overlap: the same work on two workers at once, each on its own stream of the same GPU,
+   against that work done one after the other on one worker. ``serial / concurrent`` near 2
+   means the two streams ran side by side; near 1, not at all. Two kinds of work:
+   - ``sleep``: ``torch.cuda._sleep`` kernels, each of which spins one GPU thread for a fixed
+     count of cycles: they overlap if, and only if, the streams are concurrent;
+   - ``matmul``: 512x512 matmuls and tanh, real kernels too small to fill the GPU alone (one
+     big kernel fills an H100-class GPU by itself: overlap shows with kernels that do not).
+   With ``--trace DIR``: a ``torch.profiler`` trace of the concurrent matmul run, and a plot of
+   its kernels on each stream (``DIR/gpu-streams.json``, ``DIR/gpu-streams.png``).
+2. One GPU: milliseconds per training step, the plain PyTorch loop against ``Trainer`` on the
+   same GPU, same model, SGD and data (pinned CPU batches, copied to the GPU each step):
+   - the MLP 512-1024-10, batch 256: about 0.1 ms of GPU work a step, so the host's Python is
+     the step's time (dispatch-bound);
+   - a wide MLP 4096-4096-4096-10, batch 1024: the GPU's work is the step's time.
+   The plain loop reads its loss every step (``loss.item()``, as a loop that logs or checks
+   its loss does), and, as ``ahead``, never: then the GPU runs behind the host, which can
+   queue the next steps' kernels while it waits. asyncddp ends each step when its stream has
+   finished, and reads the loss, as the first does; ``finite`` is asyncddp with
+   ``check_finite=True``, which reads the loss before the backward instead of after it.
+3. Scaling: the MLP's samples per second on every visible GPU against one.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
+import json
+import statistics
 import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
-from throughput import BATCH, make_batches, mlp, with_asyncddp
+import torch.nn.functional as F
+from throughput import BATCH, SGD, make_batches, mlp, with_asyncddp
+from torch import nn
 
 import asyncddp
 from asyncddp._worker import CallerState, DeviceWorker
 
-
-def matmuls(size: int, count: int, device: torch.device) -> None:
-    x = torch.randn(size, size, device=device)
-    for _ in range(count):
-        x = torch.tanh(x @ x / size)
+Work = Callable[[torch.device], None]
 
 
-async def overlap(device: torch.device, size: int, count: int) -> tuple[float, float]:
-    """Seconds for the work on two workers at once, and one after the other on one."""
+def matmuls(size: int, count: int) -> Work:
+    def work(device: torch.device) -> None:
+        x = torch.randn(size, size, device=device)
+        for _ in range(count):
+            x = torch.tanh(x @ x / size)
+
+    return work
+
+
+def sleeps(cycles: int, count: int) -> Work:
+    def work(device: torch.device) -> None:
+        for _ in range(count):
+            torch.cuda._sleep(cycles)
+
+    return work
+
+
+async def overlap(
+    device: torch.device, work: Work, trace: Path | None = None
+) -> tuple[float, float]:
+    """Seconds for ``work`` on two workers at once, and one after the other on one."""
     devices = [
         asyncddp.Device(index=i, torch_device=device, name=f"{device}#{i}") for i in range(2)
     ]
@@ -45,9 +84,7 @@ async def overlap(device: torch.device, size: int, count: int) -> tuple[float, f
         state = CallerState.capture(device.type)
 
         def job() -> None:
-            import contextvars
-
-            worker.invoke(state, contextvars.copy_context(), matmuls, size, count, device)
+            worker.invoke(state, contextvars.copy_context(), work, device)
             loop.call_soon_threadsafe(done.set_result, None)
 
         worker.submit(job)
@@ -63,6 +100,8 @@ async def overlap(device: torch.device, size: int, count: int) -> tuple[float, f
         await on(workers[0])
         await on(workers[0])
         serial = time.perf_counter() - start
+        if trace is not None:
+            await traced(lambda: asyncio.gather(on(workers[0]), on(workers[1])), trace)
     finally:
         for worker in workers:
             worker.stop()
@@ -71,36 +110,184 @@ async def overlap(device: torch.device, size: int, count: int) -> tuple[float, f
     return concurrent, serial
 
 
+async def traced(run: Callable[[], Any], directory: Path) -> None:
+    """Profile ``run()``'s kernels; write the trace and a plot of them on each stream."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*Profiler clears events", UserWarning)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            await run()
+            torch.cuda.synchronize()
+    write_trace(prof, directory)
+
+
+def write_trace(prof: Any, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "gpu-streams.json"
+    prof.export_chrome_trace(str(path))
+    kernels = [
+        event
+        for event in json.loads(path.read_text()).get("traceEvents", [])
+        if event.get("cat") == "kernel" and "stream" in event.get("args", {})
+    ]
+    if not kernels:
+        print(f"trace: no kernel events in {path}")
+        return
+    streams = sorted({event["args"]["stream"] for event in kernels})
+    print(f"trace: {len(kernels)} kernels on streams {streams}, written to {path}")
+    plot_streams(kernels, streams, directory / "gpu-streams.png")
+
+
+def plot_streams(kernels: list[dict[str, Any]], streams: list[int], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    start = min(event["ts"] for event in kernels)
+    fig, ax = plt.subplots(figsize=(9, 1.0 + 0.6 * len(streams)))
+    for row, stream in enumerate(streams):
+        spans = [
+            ((event["ts"] - start) / 1e3, max(event["dur"], 1) / 1e3)
+            for event in kernels
+            if event["args"]["stream"] == stream
+        ]
+        ax.broken_barh(spans, (row - 0.35, 0.7), color=f"C{row}")
+    ax.set_yticks(range(len(streams)), [f"stream {s}" for s in streams])
+    ax.set_xlabel("ms")
+    ax.set_title("Two asyncddp workers on one GPU: their kernels on each worker's stream")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    print(f"plot: {png}")
+
+
+def wide_mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10)
+    )
+
+
+def pinned_batches(features: int, batch: int, steps: int) -> list[tuple[torch.Tensor, ...]]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        (
+            torch.randn(batch, features, generator=generator).pin_memory(),
+            torch.randint(0, 10, (batch,), generator=generator).pin_memory(),
+        )
+        for _ in range(steps)
+    ]
+
+
+def plain_step_ms(
+    make: Callable[[], nn.Module], batches: list[Any], device: torch.device, read_loss: bool
+) -> float:
+    """The plain loop on ``device``: ms per step of a timed pass after a warm-up pass."""
+    torch.manual_seed(0)
+    model = make().to(device)
+    optimizer = SGD(model.parameters())
+
+    def one_pass() -> None:
+        for inputs, targets in batches:
+            inputs = inputs.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            if read_loss:
+                loss.item()
+        torch.cuda.synchronize(device)
+
+    one_pass()
+    start = time.perf_counter()
+    one_pass()
+    return (time.perf_counter() - start) * 1e3 / len(batches)
+
+
+def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    inputs, targets = batch
+    return F.cross_entropy(model(inputs), targets)
+
+
+async def asyncddp_step_ms(
+    make: Callable[[], nn.Module], batches: list[Any], device: torch.device, **options: Any
+) -> float:
+    """``Trainer`` on ``device``: ms per step of a fit's second epoch (the first warms up)."""
+    torch.manual_seed(0)
+    trainer = asyncddp.Trainer(make(), SGD, step, devices=device, progress_bar=False, **options)
+    result = await trainer.fit(batches, epochs=2)
+    return result.history[-1].seconds * 1e3 / len(batches)
+
+
+async def one_gpu(device: torch.device, rounds: int, steps: int) -> None:
+    workloads = [
+        ("mlp 512-1024-10, batch 256", mlp, pinned_batches(512, BATCH, steps)),
+        ("mlp 4096-4096-4096-10, batch 1024", wide_mlp, pinned_batches(4096, 1024, steps // 4)),
+    ]
+    print(
+        f"one GPU: ms per step, median of {rounds} rounds (plain: loss.item() every step; "
+        "ahead: never; finite: asyncddp with check_finite=True)"
+    )
+    print(
+        f"  {'workload':34} {'plain':>7} {'ahead':>7} {'asyncddp':>8} {'finite':>7}"
+        "  asyncddp vs plain, vs ahead"
+    )
+    for name, make, batches in workloads:
+        times: dict[str, list[float]] = {"plain": [], "ahead": [], "asyncddp": [], "finite": []}
+        for _ in range(rounds):  # interleaved, so that a slow moment hits every contender
+            times["plain"].append(plain_step_ms(make, batches, device, read_loss=True))
+            times["ahead"].append(plain_step_ms(make, batches, device, read_loss=False))
+            times["asyncddp"].append(await asyncddp_step_ms(make, batches, device))
+            times["finite"].append(await asyncddp_step_ms(make, batches, device, check_finite=True))
+        plain, ahead, ours, finite = (statistics.median(times[k]) for k in times)
+        print(
+            f"  {name:34} {plain:7.3f} {ahead:7.3f} {ours:8.3f} {finite:7.3f}  "
+            f"{ours / plain - 1:+7.1%}, {ours / ahead - 1:+7.1%}"
+        )
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--trace", type=Path, help="write a kernel trace and its plot here")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    size, count, steps = (512, 200, 40) if cuda else (256, 40, 10)
-    if args.quick:
-        count, steps = max(4, count // 10), 4
     if cuda:
-        print(f"GPU: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")
+        name = torch.cuda.get_device_name(0)
+        print(f"{torch.cuda.device_count()} x {name}, torch {torch.__version__}")
     else:
         print("no CUDA GPU visible: a CPU smoke run of the same code (figures mean nothing)")
-    concurrent, serial = await overlap(device, size, count)
-    print(
-        f"overlap, 2 workers on {device}: concurrent {concurrent * 1e3:.1f} ms, "
-        f"serial {serial * 1e3:.1f} ms, serial/concurrent {serial / concurrent:.2f}x"
-    )
-    batches = make_batches((512,), steps)
+    count, rounds, steps = (200, 5, 200) if cuda else (40, 1, 10)
+    if args.quick:
+        count, rounds, steps = max(4, count // 10), 1, 8
+    works = [("matmul", matmuls(512, count))]
     if cuda:
-        one = await with_asyncddp(mlp, batches, "cuda:0")
-        every = await with_asyncddp(mlp, batches, "cuda")
-        n = torch.cuda.device_count()
+        works.insert(0, ("sleep", sleeps(1_000_000, 20)))  # ~0.5 ms each at ~2 GHz
+    for label, work in works:
+        trace = args.trace if label == "matmul" and cuda else None
+        concurrent, serial = await overlap(device, work, trace)
         print(
-            f"MLP, batch {BATCH}: 1 GPU {one:.0f} samples/s, {n} GPU(s) {every:.0f} samples/s, "
-            f"{every / one:.2f}x"
+            f"overlap ({label}), 2 workers on {device}: concurrent {concurrent * 1e3:.1f} ms, "
+            f"serial {serial * 1e3:.1f} ms, serial/concurrent {serial / concurrent:.2f}x"
         )
-    else:
-        rate = await with_asyncddp(mlp, batches, 2)
+    if not cuda:
+        rate = await with_asyncddp(mlp, make_batches((512,), steps), 2)
         print(f"MLP, batch {BATCH}, 2 CPU workers: {rate:.0f} samples/s")
+        return
+    await one_gpu(device, rounds, steps)
+    n = torch.cuda.device_count()
+    if n == 1:
+        print("1 GPU visible: samples/s on N GPUs against one not measured")
+        return
+    batches = make_batches((512,), steps)
+    one = await with_asyncddp(mlp, batches, "cuda:0")
+    every = await with_asyncddp(mlp, batches, "cuda")
+    print(
+        f"MLP, batch {BATCH}: 1 GPU {one:.0f} samples/s, {n} GPUs {every:.0f} samples/s, "
+        f"{every / one:.2f}x"
+    )
 
 
 if __name__ == "__main__":
