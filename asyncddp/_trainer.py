@@ -150,7 +150,9 @@ class Trainer(Resumable):
         check_finite: Raise :class:`NonFiniteLossError`, naming the device and step, when a
             device's loss is NaN or infinite, before its backward. On the CPU this costs
             nothing; on a GPU the loss is then read before the backward's kernels are
-            launched, not after (measured on an H200: see docs/benchmarks.md, GPU).
+            launched, not after, and the GPU waits for those launches (measured on an H200:
+            see docs/benchmarks.md, GPU). An ``"items"`` count given as a GPU tensor is read
+            before the backward too.
     """
 
     def __init__(
@@ -570,7 +572,7 @@ def _rank_devices(devices: DeviceSpec) -> DeviceSpec:
     if isinstance(devices, str) and devices == "auto" and distributed.is_initialized():
         count = torch.cuda.device_count()
         if count:
-            return f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % count}"
+            return f"cuda:{distributed._local_rank() % count}"
     return devices
 
 

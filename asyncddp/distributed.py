@@ -6,7 +6,7 @@ machine: it sees the process group and trains across every device of every rank:
     # torchrun --nproc-per-node 2 train.py
     import asyncddp.distributed
 
-    world = asyncddp.distributed.init()  # gloo on CPU, NCCL on CUDA
+    world = asyncddp.distributed.init()  # NCCL with a GPU per process, else gloo
     trainer = asyncddp.Trainer(model, optimizer, step)  # devices="auto": cuda:LOCAL_RANK or CPU
     await trainer.fit(loader, epochs=5)  # the same loader on every rank: each trains on its part
 
@@ -76,7 +76,9 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
     Args:
         backend: ``"gloo"`` or ``"nccl"``; by default NCCL when every process of this machine
             has a GPU of its own (``LOCAL_WORLD_SIZE`` GPUs or more), else gloo, with which
-            processes may share a GPU. With NCCL the process's current GPU becomes
+            processes may share a GPU. Across machines the default is NCCL wherever a GPU is
+            visible (every machine must agree): give ``"gloo"`` on every machine to train on
+            CPUs or on shared GPUs. With NCCL the process's current GPU becomes
             ``cuda:LOCAL_RANK``.
         timeout: Seconds a collective may wait for the other ranks before it fails (torch's
             default when ``None``: 10 minutes for NCCL, 30 for gloo). Failures of a rank are
@@ -98,7 +100,7 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
         )
     backend = _backend(backend)
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(_local_rank())
     dist.init_process_group(
         backend,
         init_method="env://",
@@ -107,23 +109,36 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
     return _current()
 
 
+def _local_rank() -> int:
+    """This process's rank on its machine: ``LOCAL_RANK``, else ``RANK`` (one machine)."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+
+
 def _backend(asked: str | None) -> str:
     """The backend to join with: ``asked``, checked, or the default for this machine."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    needed = max(local_size, _local_rank() + 1)
     if asked is None:
-        # NCCL needs a GPU of its own for each process of a machine; with fewer, gloo (the
-        # processes then share the GPUs, and reduce through the CPU).
-        nccl = gpus >= max(local_size, local_rank + 1) and dist.is_nccl_available()
-        return "nccl" if nccl else "gloo"
+        if gpus == 0 or not dist.is_nccl_available():
+            return "gloo"
+        if gpus < needed and size == local_size:
+            # One machine, fewer GPUs than processes (NCCL refuses two ranks on one GPU):
+            # gloo, the processes sharing the GPUs and reducing through the CPU.
+            return "gloo"
+        # NCCL; across machines wherever there are GPUs, since a machine that took gloo on
+        # its own would leave the others waiting at the first collective: one with too few
+        # GPUs is refused below, on every process of it.
+        asked = "nccl"
     if asked not in ("gloo", "nccl"):
         raise ConfigurationError(f"backend must be 'gloo' or 'nccl', got {asked!r}")
-    if asked == "nccl" and local_rank >= gpus:
+    if asked == "nccl" and gpus < needed:
         raise ConfigurationError(
-            f"NCCL needs a GPU for each process, but this one has LOCAL_RANK {local_rank} and "
-            f"{gpus} GPU(s) {'is' if gpus == 1 else 'are'} visible; start at most {gpus} "
-            "process(es) per machine, or join with asyncddp.distributed.init('gloo')"
+            f"NCCL needs a GPU for each process, but {local_size} process(es) share this "
+            f"machine (LOCAL_RANK {_local_rank()}) and {gpus} GPU(s) {'is' if gpus == 1 else 'are'}"
+            f" visible; start at most {gpus} process(es) per machine, or join with "
+            "asyncddp.distributed.init('gloo') on every machine"
         )
     return asked
 
@@ -149,7 +164,7 @@ def _current() -> World:
     return World(
         rank=rank,
         world_size=size,
-        local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+        local_rank=_local_rank(),
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", size)),
         backend=str(dist.get_backend()),
     )

@@ -606,42 +606,78 @@ def test_init_without_the_torchrun_environment_says_how_to_launch(
     assert not asyncddp.distributed.is_initialized()
 
 
-@pytest.mark.parametrize(
-    ("gpus", "local_rank", "local_size", "expected"),
-    [
-        (0, 0, 1, "gloo"),
-        (1, 0, 1, "nccl"),
-        (1, 0, 2, "gloo"),  # 2 processes, 1 GPU: NCCL refuses two ranks on one GPU
-        (1, 1, 2, "gloo"),
-        (2, 1, 2, "nccl"),
-        (8, 3, 4, "nccl"),
-    ],
-)
-def test_the_default_backend_is_nccl_only_with_a_gpu_for_every_local_process(
-    monkeypatch: pytest.MonkeyPatch, gpus: int, local_rank: int, local_size: int, expected: str
-) -> None:
+def torchrun_env(monkeypatch: pytest.MonkeyPatch, gpus: int, env: dict[str, int]) -> None:
+    """This process as ``env`` describes it (RANK, WORLD_SIZE, LOCAL_*), with ``gpus`` GPUs."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
-    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_size))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(value))
+
+
+ONE_MACHINE = {"RANK": 1, "WORLD_SIZE": 2, "LOCAL_RANK": 1, "LOCAL_WORLD_SIZE": 2}
+
+
+@pytest.mark.parametrize(
+    ("gpus", "env", "expected"),
+    [
+        (0, ONE_MACHINE, "gloo"),
+        (1, {"RANK": 0, "WORLD_SIZE": 1}, "nccl"),
+        (1, {**ONE_MACHINE, "RANK": 0, "LOCAL_RANK": 0}, "gloo"),  # NCCL: one GPU per rank
+        (1, ONE_MACHINE, "gloo"),
+        (1, {"RANK": 1, "WORLD_SIZE": 2}, "gloo"),  # by hand, no LOCAL_*: one machine
+        (1, {"RANK": 0, "WORLD_SIZE": 2}, "gloo"),
+        (2, ONE_MACHINE, "nccl"),
+        (8, {"RANK": 11, "WORLD_SIZE": 16, "LOCAL_RANK": 3, "LOCAL_WORLD_SIZE": 8}, "nccl"),
+    ],
+)
+def test_the_default_backend_is_nccl_only_with_a_gpu_for_every_local_process(
+    monkeypatch: pytest.MonkeyPatch, gpus: int, env: dict[str, int], expected: str
+) -> None:
+    torchrun_env(monkeypatch, gpus, env)
     assert asyncddp.distributed._backend(None) == expected
     assert asyncddp.distributed._backend("gloo") == "gloo"
 
 
-def test_nccl_without_a_gpu_for_this_process_says_what_to_do(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("rank", [0, 1])
+def test_nccl_without_a_gpu_for_every_process_fails_alike_on_every_rank(
+    monkeypatch: pytest.MonkeyPatch, rank: int
 ) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with pytest.raises(
-        asyncddp.ConfigurationError, match=r"LOCAL_RANK 1 and 1 GPU\(s\) is visible"
-    ):
+    torchrun_env(monkeypatch, 1, {**ONE_MACHINE, "RANK": rank, "LOCAL_RANK": rank})
+    with pytest.raises(asyncddp.ConfigurationError, match=r"2 process\(es\) share this machine"):
         asyncddp.distributed._backend("nccl")
     with pytest.raises(asyncddp.ConfigurationError, match="'gloo' or 'nccl'"):
         asyncddp.distributed._backend("mpi")
+
+
+def test_across_machines_a_machine_short_of_gpus_is_refused_not_left_on_gloo(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 2 machines x 2 processes; this one has 1 GPU. Alone it would take gloo, while the other
+    # machine takes NCCL and waits at the first collective: it is refused instead.
+    env = {"RANK": 3, "WORLD_SIZE": 4, "LOCAL_RANK": 1, "LOCAL_WORLD_SIZE": 2}
+    torchrun_env(monkeypatch, 1, env)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(asyncddp.ConfigurationError, match="init\\('gloo'\\) on every machine"):
+        asyncddp.distributed._backend(None)
+    with pytest.raises(asyncddp.ConfigurationError, match="init\\('gloo'\\) on every machine"):
+        asyncddp.distributed.init()
+
+
+def test_a_trainer_on_the_cpu_in_an_nccl_group_says_what_to_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from asyncddp._comm import Comm
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda: "nccl")
+    with pytest.raises(asyncddp.ConfigurationError, match="first device is cpu#0"):
+        Comm(asyncddp.cpu_devices(1), 1, "model")
 
 
 # -- each rank's part of the data, without processes ---------------------------------------------
