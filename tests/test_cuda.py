@@ -11,12 +11,15 @@ import functools
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncddp import Trainer, WorkerFailedError
+import asyncddp._jobs
+from asyncddp import StepEnded, Trainer, WorkerFailedError
+from asyncddp._data import move_to
 
 pytestmark = [pytest.mark.anyio, pytest.mark.cuda]
 
@@ -115,19 +118,6 @@ async def test_one_gpu_matches_the_plain_loop_on_it() -> None:
     assert 0.0 <= last.train_metrics["accuracy"] <= 1.0
 
 
-@pytest.mark.parametrize("devices", [["cpu", GPU], [GPU, "cpu"]], ids=["cpu-first", "gpu-first"])
-async def test_a_cpu_and_a_gpu_worker_match_one_device_given_the_whole_batch(
-    devices: list[str],
-) -> None:
-    # The reduction copies gradients between a GPU's stream and the CPU in both directions.
-    batches = make_batches([64, 64, 33, 1])  # the last batch leaves the second worker idle
-    expected = plain_loop(batches, 2, "cpu")
-    trainer = Trainer(make_model(), SGD, loss_step, devices=devices, progress_bar=False)
-    await trainer.fit(batches, epochs=2)
-    assert_close(on_cpu(trainer.model), expected, 1e-5)
-    assert_replicas_identical(trainer)
-
-
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 async def test_mixed_precision_on_a_gpu_matches_autocast_and_grad_scaler(precision: str) -> None:
     batches = make_batches([128] * 8)
@@ -141,6 +131,32 @@ async def test_mixed_precision_on_a_gpu_matches_autocast_and_grad_scaler(precisi
     # The same autocast ops on the same GPU, and the same loss scale as GradScaler's: only the
     # order of float sums may differ.
     assert_close(on_cpu(trainer.model), expected, 1e-3)
+
+
+async def test_cancelling_a_fit_on_a_gpu_leaves_a_trainer_that_continues_exactly() -> None:
+    # Cancelled while a step's kernels may still run on the worker's stream: the step is
+    # undone or kept whole, never half taken.
+    batches = make_batches([32] * 60)
+    expected = plain_loop(batches, 1, GPU)
+    trainer = Trainer(make_model(), SGD, loss_step, devices=GPU, progress_bar=False)
+    steps_seen = anyio.Event()
+    stream = trainer.events()
+
+    async def watch() -> None:
+        async for event in stream:
+            if isinstance(event, StepEnded) and event.step >= 5:
+                steps_seen.set()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(watch)
+        group.start_soon(functools.partial(trainer.fit, batches, epochs=1))
+        await steps_seen.wait()
+        group.cancel_scope.cancel()
+    assert 5 <= trainer.global_step < 60
+    assert_replicas_identical(trainer)
+    await trainer.fit(batches, epochs=1)
+    assert trainer.global_step == 60
+    assert_close(on_cpu(trainer.model), expected, 1e-5)
 
 
 async def test_a_failure_on_a_gpu_names_it_and_keeps_the_cause() -> None:
@@ -168,7 +184,16 @@ async def test_a_failure_on_a_gpu_names_it_and_keeps_the_cause() -> None:
     assert trainer.global_step == len(batches)
 
 
-async def test_a_dataloader_with_pinned_memory_feeds_a_gpu_exactly() -> None:
+async def test_a_dataloader_with_pinned_memory_feeds_a_gpu_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pinned: list[bool] = []
+
+    def spy(value: Any, device: torch.device, non_blocking: bool = False) -> Any:
+        pinned.extend(t.is_pinned() for t in torch.utils._pytree.tree_leaves(value))
+        return move_to(value, device, non_blocking=non_blocking)
+
+    monkeypatch.setattr(asyncddp._jobs, "move_to", spy)
     batches = make_batches([16] * 8)
     dataset = torch.utils.data.TensorDataset(
         torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
@@ -179,6 +204,8 @@ async def test_a_dataloader_with_pinned_memory_feeds_a_gpu_exactly() -> None:
     assert trainer.pin_memory  # the default on a GPU
     await trainer.fit(loader, epochs=2)
     assert_close(on_cpu(trainer.model), expected, 1e-5)
+    assert len(pinned) == 2 * 2 * len(batches)  # inputs and targets, every step of 2 epochs
+    assert all(pinned)  # copied to the GPU from pinned memory
 
 
 async def test_validation_on_a_gpu_is_exact_over_every_item() -> None:

@@ -961,6 +961,17 @@ async def test_an_iterator_for_more_than_one_epoch_is_refused_before_any_work() 
     assert trainer.global_step == 4
 
 
+@pytest.mark.parametrize("devices", [["cpu", "cuda:0"], ["cuda:0", "cpu#1"]])
+def test_a_trainer_on_gpus_and_the_cpu_at_once_is_refused(
+    monkeypatch: pytest.MonkeyPatch, devices: list[str]
+) -> None:
+    # Measured on an H200: under AdamW a CPU and a GPU replica ended 3e-8 apart (their
+    # optimizer kernels round differently), where replicas must stay bitwise identical.
+    monkeypatch.setattr(asyncddp._devices, "_cuda_device_count", lambda: 1)
+    with pytest.raises(asyncddp.DeviceError, match=r"must be of one kind.*mix cpu and cuda"):
+        Trainer(make_model(), ADAMW, loss_step, devices=devices, progress_bar=False)
+
+
 def test_bad_configuration_fails_at_construction() -> None:
     frozen = make_model()
     frozen.requires_grad_(False)
