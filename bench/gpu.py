@@ -25,7 +25,9 @@ Run:  python bench/gpu.py [--trace DIR]   (on a machine with a CUDA GPU; about a
    backup (``atomic_steps=False``: no copy of the parameters and optimizer state on the GPU
    before each step, which a plain loop does not keep either), ``finite`` with
    ``check_finite=True``, which reads the loss before the backward instead of after it.
-3. Scaling: the MLP's samples per second on every visible GPU against one.
+3. Event-loop lag: a 1 ms ticker on the event loop beside 2 epochs of the wide MLP on the GPU,
+   with ``Trainer`` and with the plain loop called from a coroutine (bench/loop_lag.py's measure).
+4. Scaling: the MLP's samples per second on every visible GPU against one.
 """
 
 from __future__ import annotations
@@ -260,6 +262,25 @@ async def one_gpu(device: torch.device, rounds: int, steps: int) -> None:
         )
 
 
+async def lag(device: torch.device, steps: int) -> None:
+    """Event-loop lag of a 1 ms ticker beside training on the GPU (bench/loop_lag.py's)."""
+    from loop_lag import beside, describe
+
+    batches = pinned_batches(4096, 1024, steps)
+    model = wide_mlp()  # built before the ticker starts: 0.1-0.2 s of the loop thread's time
+
+    async def with_asyncddp() -> None:
+        trainer = asyncddp.Trainer(model, SGD, step, devices=device, progress_bar=False)
+        await trainer.fit(batches, epochs=2)
+
+    async def blocking() -> None:
+        plain_step_ms(wide_mlp, batches, device, read_loss=True)  # two passes, no await
+
+    print(f"lag of a 1 ms ticker beside 2 epochs x {steps} steps of the wide MLP on the GPU")
+    print(describe("asyncddp", await beside(with_asyncddp(), steps)))
+    print(describe("blocking", await beside(blocking(), steps)))
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -290,6 +311,7 @@ async def main() -> None:
         print(f"MLP, batch {BATCH}, 2 CPU workers: {rate:.0f} samples/s")
         return
     await one_gpu(device, rounds, steps)
+    await lag(device, steps)
     n = torch.cuda.device_count()
     if n == 1:
         print("1 GPU visible: samples/s on N GPUs against one not measured")
