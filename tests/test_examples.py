@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,6 +67,27 @@ def test_ci_runs_the_readme_commands() -> None:
     assert commands, "the README shows no commands"
     for command in commands:
         assert command in ci, f".ci/run does not run the README's {command!r}"
+
+
+def test_the_gpu_checks_fail_where_no_gpu_is_visible(tmp_path: Path) -> None:
+    # Every CUDA test would be skipped there, and a run that passed would say nothing.
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: bash .ci/gpu runs for real there")
+    completed = subprocess.run(
+        ["bash", ".ci/gpu", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert completed.returncode == 1
+    assert "no CUDA GPU visible to torch: nothing to check" in completed.stderr
+    assert "every GPU check passed" not in completed.stdout
+    assert list(tmp_path.iterdir()) == []  # no stage ran
 
 
 def test_events_example_prints_what_the_docs_show() -> None:
