@@ -218,6 +218,17 @@ class Comm:
         dist.all_gather_object(gathered, mine)
         self.rank_devices = [tuple(devices) for devices, _, _ in gathered]
         self.data_seed = int(gathered[0][2])
+        kinds = [{device.type for device in devices} for devices in self.rank_devices]
+        if any(kind != kinds[0] for kind in kinds):
+            raise ConfigurationError(
+                "every rank's devices must be of one kind (replicas on the CPU and on GPUs would "
+                "drift apart), but "
+                + ", ".join(
+                    f"rank {r} trains on {' and '.join(sorted(kind))}"
+                    for r, kind in enumerate(kinds)
+                )
+                + ": train on GPUs on every rank, or on the CPU on every rank"
+            )
         different = [r for r, (_, fp, _) in enumerate(gathered) if fp != gathered[0][1]]
         if different:
             raise ConfigurationError(

@@ -53,7 +53,8 @@ class AsyncDDPError(Exception):
 
 
 class DeviceError(AsyncDDPError, ValueError):
-    """A device spec names no device, a device twice, or a device that does not exist."""
+    """A device spec names no device, a device twice, or a device that does not exist; or a
+    trainer's devices mix GPUs and the CPU."""
 
 
 class DeviceTypeError(DeviceError, TypeError):

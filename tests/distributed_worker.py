@@ -410,6 +410,22 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
             report["error"] = None
         except asyncddp.ConfigurationError as error:
             report["error"] = str(error)
+    elif scenario == "mixed-kinds":  # rank 1 trains on a GPU (pretended: refused before use)
+        if rank == 1:
+            asyncddp._devices._cuda_device_count = lambda: 1  # type: ignore[attr-defined]
+        t = asyncddp.Trainer(
+            model(),
+            functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
+            step,
+            devices="cuda:0" if rank == 1 else "cpu",
+            progress_bar=False,
+            pin_memory=False,
+        )
+        try:
+            await t.fit(batches(), epochs=1)
+            report["error"] = None
+        except asyncddp.ConfigurationError as error:
+            report["error"] = str(error)
     elif scenario == "raise-twice":  # both ranks fit again after a failure; it comes again
 
         def fails(model: torch.nn.Module, batch: Any) -> Any:

@@ -494,6 +494,17 @@ def test_ranks_with_different_device_counts_are_refused(tmp_path: Path) -> None:
     assert seconds < 30
 
 
+def test_ranks_on_the_cpu_and_on_gpus_are_refused(tmp_path: Path) -> None:
+    # Their replicas would drift apart, as a CPU and a GPU replica do in one process.
+    reports, codes, seconds = launch("mixed-kinds", tmp_path, timeout=60)
+    assert codes == [0, 0]
+    for report in reports:
+        assert report is not None
+        assert report["error"] is not None
+        assert "rank 0 trains on cpu, rank 1 trains on cuda" in report["error"]
+    assert seconds < 30
+
+
 def test_a_failure_in_a_second_fit_is_announced_like_the_first(tmp_path: Path) -> None:
     # Both ranks catch the first WorkerFailedError and fit again; rank 1 fails again, and rank
     # 0 must hear of that failure, not of a lost rank (or hang) when rank 1 goes away.

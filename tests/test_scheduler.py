@@ -766,3 +766,19 @@ def test_a_forked_child_of_a_thread_with_a_team_runs_cpu_workers() -> None:
         pytest.fail("the forked child hung starting its CPU workers")
     assert child.exitcode == 0
     assert results.get(timeout=5) == 2 * (1 << 22)
+
+
+def test_a_scheduler_may_mix_gpus_and_the_cpu_where_a_trainer_may_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A scheduler runs the caller's jobs and keeps no replicas: nothing of its own to drift.
+    monkeypatch.setattr(asyncddp._devices, "_cuda_device_count", lambda: 1)
+    scheduler = StepScheduler(["cpu", "cuda:0"])  # not started: no GPU is touched
+    assert [device.type for device in scheduler.devices] == ["cpu", "cuda"]
+    with pytest.raises(asyncddp.DeviceError, match="of one kind"):
+        asyncddp.Trainer(
+            torch.nn.Linear(2, 1),
+            torch.optim.SGD,
+            lambda m, b: m(b).sum(),
+            devices=["cpu", "cuda:0"],
+        )
