@@ -39,9 +39,9 @@ import anyio
 import torch
 from torch import nn
 
-from . import _comm, distributed
+from . import _comm, _devices, distributed
 from ._data import items_total
-from ._devices import CPU_HINT, Device, DeviceSpec, _cuda_device_count, resolve_devices
+from ._devices import CPU_HINT, Device, DeviceSpec, resolve_devices
 from ._epochs import EpochRecord
 from ._events import (
     EventHub,
@@ -586,7 +586,7 @@ class Trainer(Resumable):
 def _rank_devices(devices: DeviceSpec) -> DeviceSpec:
     """``"auto"`` in a process group with GPUs: this process's GPU, ``cuda:LOCAL_RANK``."""
     if isinstance(devices, str) and devices == "auto" and distributed.is_initialized():
-        count = _cuda_device_count()
+        count = _devices._cuda_device_count()  # looked up here, so that tests can fake GPUs
         if count:
             return f"cuda:{distributed._local_rank() % count}"
     return devices
