@@ -71,8 +71,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         spec = parse_devices(args.devices if args.command == "demo" else args.spec)
         if args.command == "devices":
-            for device in resolve_devices(spec):
+            devices = resolve_devices(spec)
+            for device in devices:
                 print(f"{device.index}: {device.name} ({device.torch_device})")
+            if len({device.type for device in devices}) > 1:
+                print(
+                    "note: a Trainer refuses GPUs and the CPU together (its replicas would drift "
+                    "apart); a StepScheduler runs on both",
+                    file=sys.stderr,
+                )
             return 0
         if args.epochs < 1 or args.batch_size < 1:
             print("asyncddp demo: --epochs and --batch-size must be at least 1", file=sys.stderr)

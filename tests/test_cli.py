@@ -67,6 +67,18 @@ def test_devices_command_lists_what_a_spec_resolves_to(capsys: pytest.CaptureFix
     ]
 
 
+def test_devices_command_says_a_trainer_refuses_gpus_and_the_cpu_together(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(asyncddp._devices, "_cuda_device_count", lambda: 1)
+    assert main(["devices", "cpu,cuda:0"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["0: cpu (cpu)", "1: cuda:0 (cuda:0)"]
+    assert "a Trainer refuses GPUs and the CPU together" in err
+    assert main(["devices", "cuda:0"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [("3", 3), ("cpu", "cpu"), ("cuda:0,cuda:2", ["cuda:0", "cuda:2"]), (" cuda ", "cuda")],
