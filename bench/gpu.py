@@ -44,8 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from throughput import BATCH, SGD, make_batches, mlp, with_asyncddp
+from throughput import BATCH, SGD, make_batches, mlp, step, with_asyncddp
 from torch import nn
 
 import asyncddp
@@ -200,7 +199,7 @@ def plain_step_ms(
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
             optimizer.zero_grad()
-            loss = F.cross_entropy(model(inputs), targets)
+            loss = step(model, (inputs, targets))
             loss.backward()
             optimizer.step()
             if read_loss:
@@ -211,11 +210,6 @@ def plain_step_ms(
     start = time.perf_counter()
     one_pass()
     return (time.perf_counter() - start) * 1e3 / len(batches)
-
-
-def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    inputs, targets = batch
-    return F.cross_entropy(model(inputs), targets)
 
 
 async def asyncddp_step_ms(
