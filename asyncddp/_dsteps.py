@@ -133,7 +133,6 @@ class DistributedSteps(Steps):
         params = [p for p in model.parameters() if p.requires_grad]
         fingerprint = (
             f"params={[tuple(p.shape) for p in params]} devices={len(self.devices)} "
-            f"kind={self.devices[0].type} "  # CPU and GPU replicas would drift apart
             f"accumulate={self.accumulate_grad_batches} split={self.split_batches} "
             f"clip={self.gradient_clip_val} scaler={self._scaler is not None} "
             f"buffers={[(tuple(b.shape), b.dtype) for b in model.buffers()]} "
