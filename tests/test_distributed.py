@@ -86,13 +86,13 @@ def launch(
     return reports, codes, seconds
 
 
-def one_device_trainer(seed: int = 0, **options: Any) -> asyncddp.Trainer:
+def one_device_trainer(seed: int = 0, devices: str = "cpu", **options: Any) -> asyncddp.Trainer:
     """One process, one device: the scenarios' model ``worker.model(seed)`` and optimizer."""
     return asyncddp.Trainer(
         worker.model(seed),
         functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
         worker.step,
-        devices="cpu",
+        devices=devices,
         progress_bar=False,
         **options,
     )
@@ -156,13 +156,7 @@ def gpu_reference(batches: list[Any]) -> tuple[list[torch.Tensor], asyncddp.FitR
     parameters (on the CPU) and the result."""
     import anyio
 
-    trainer = asyncddp.Trainer(
-        worker.model(0),
-        functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
-        worker.step,
-        devices="cuda:0",
-        progress_bar=False,
-    )
+    trainer = one_device_trainer(devices="cuda:0")
     fit = functools.partial(trainer.fit, batches, epochs=2, valid_data=worker.batches(5, 10))
     result = anyio.run(fit)
     return [p.detach().cpu() for p in trainer.model.parameters()], result
