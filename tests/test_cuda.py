@@ -98,13 +98,6 @@ def assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tens
         )
 
 
-def assert_replicas_identical(trainer: Trainer) -> None:
-    first = on_cpu(trainer._replicas[0].model)
-    for replica in trainer._replicas[1:]:
-        for name, value in on_cpu(replica.model).items():
-            assert torch.equal(value, first[name]), f"replica on {replica.device} differs in {name}"
-
-
 async def test_one_gpu_matches_the_plain_loop_on_it() -> None:
     batches = make_batches([64] * 6 + [17])
     expected = plain_loop(batches, 2, GPU)
