@@ -24,7 +24,7 @@ from ._data import move_to
 from ._exceptions import StepOutputError
 from ._replica import Replica, StepFunction, loss_and_metrics
 from ._sync import all_gather, all_reduce_chunk, clip_coefficient, reduce_scatter, scale_grads
-from ._worker import WorkerContext, after_job
+from ._worker import WorkerContext, after_job, leave_stream_running
 
 __all__ = [
     "ApplyWork",
@@ -196,6 +196,36 @@ class ExchangeWork:
     ref: float = 1.0  # the gradients were weighted by items / ref (see TrainWork.per_item)
 
 
+class _OnHost:
+    """A GPU step's loss and tensor metrics, copied to page-locked host memory behind the
+    kernels queued so far (the forward), to be read without waiting for those queued after
+    them (the backward): ``float(loss)`` would wait for the whole stream."""
+
+    __slots__ = ("_copied", "loss", "metrics")
+
+    def __init__(self, stream: torch.cuda.Stream, loss: torch.Tensor, metrics: dict[str, Any]):
+        self.loss = _pinned_copy(loss)
+        self.metrics = {
+            name: _pinned_copy(value) if isinstance(value, torch.Tensor) else value
+            for name, value in metrics.items()
+        }
+        self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._copied.record(stream)
+
+    def read(self) -> tuple[float, dict[str, Any]]:
+        """Wait for the copies (and what was queued before them); the loss and the metrics."""
+        self._copied.synchronize()
+        return float(self.loss), self.metrics
+
+
+def _pinned_copy(value: torch.Tensor) -> torch.Tensor:
+    value = value.detach()
+    if not value.is_cuda:
+        return value
+    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+    return host.copy_(value, non_blocking=True)
+
+
 class Jobs:
     """The jobs of one trainer, bound to its replicas, step functions and precision."""
 
@@ -239,18 +269,23 @@ class Jobs:
             # Nothing to average over (every token of the shard is padding): the shard adds no
             # gradient, and its loss (a mean over nothing, often NaN) counts for nothing.
             return Sums(0, 0.0, dict.fromkeys(metrics, 0.0), counted=True)
+        on_host = None
         if self.check_finite:
             # Host-device sync point before backward: a non-finite loss adds no gradient.
             value = float(loss.detach())
             if not math.isfinite(value):
                 raise NonFiniteLoss(value)
+        elif ctx.stream is not None:
+            on_host = _OnHost(ctx.stream, loss, metrics)  # copied behind the forward
         weight = work.weight
         if counted is not None and work.per_item is not None:
             weight = work.per_item * counted
         (loss * weight if weight != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
-        if not self.check_finite:
-            # Host-device sync point, once the backward is queued: on a GPU its kernels are
-            # launched while the forward's still run, as in a plain loop, not after them.
+        if on_host is not None:
+            # Host-device sync point, once the backward is queued, waiting for the forward
+            # only: the GPU goes on with the backward while the job goes on.
+            value, metrics = on_host.read()
+        elif not self.check_finite:
             value = float(loss.detach())
         if replica.params and not any(replica.used) and loss.grad_fn is not None:
             # (A leaf loss, a constant that requires grad, comes from no model at all.)
@@ -387,6 +422,14 @@ class Jobs:
             unused = tuple(i for i, flag in enumerate(used) if not flag)
             phase = "optimizer"
             lr = self.apply(ctx, dataclasses.replace(apply, coefficient=coefficient, unused=unused))
+            if meeting is None:
+                # One GPU in one process: the step reports while its stream still runs the
+                # backward's tail and the optimizer step, so the GPU works through them while
+                # the event loop takes the results and hands over the next step (queued
+                # behind them on the same stream). No other stream or thread reads this
+                # replica before this worker's next job; every other job, the session's last
+                # included, waits for the stream.
+                leave_stream_running()
         except PeerLeft:
             return None
         except BaseException as exc:

@@ -5,7 +5,9 @@ on its queue, one at a time, in order. On a CUDA device the thread makes its dev
 runs every job on a stream of its own, so two workers never serialise on the default stream;
 a job counts as finished only once its stream work has finished (the worker waits for that in
 its own thread, never on the event loop, and so an asynchronous CUDA error is charged to the
-device that caused it).
+device that caused it). One kind of job may end before its kernels do
+(:func:`leave_stream_running`): the trainer's step on a lone GPU, so that the GPU works through
+the step's tail while the event loop takes the step's results.
 
 The caller's grad mode, autocast state and context variables are captured on the event loop
 (:class:`CallerState`) and re-entered around each job, as ``torch.nn.parallel.parallel_apply``
@@ -26,7 +28,14 @@ import torch
 
 from ._devices import Device
 
-__all__ = ["CallerState", "DeviceWorker", "WorkerContext", "after_job", "current_worker"]
+__all__ = [
+    "CallerState",
+    "DeviceWorker",
+    "WorkerContext",
+    "after_job",
+    "current_worker",
+    "leave_stream_running",
+]
 
 _log = logging.getLogger("asyncddp")
 
@@ -80,6 +89,19 @@ def after_job(fn: Callable[[], None]) -> None:
         fn()
     else:
         after.append(fn)
+
+
+def leave_stream_running() -> None:
+    """Let the running job count as finished when it returns, without waiting for the kernels
+    it queued on its worker's stream. Call only from a job on a GPU worker (elsewhere it does
+    nothing), and only when nobody reads what those kernels write before this worker's next
+    job: no other stream (no other device's worker) and no other thread. The next job runs
+    behind them on the same stream, and whichever job of this worker next waits for its
+    stream (every job does, but one that calls this) also waits for them, and raises an
+    asynchronous CUDA error of theirs: charged to this device, in that later job.
+    """
+    if getattr(_running, "ctx", None) is not None:
+        _running.sync = False
 
 
 class CallerState(NamedTuple):
@@ -166,6 +188,7 @@ class DeviceWorker:
         # leftovers never leak into the next.
         torch.set_grad_enabled(state.grad_enabled)
         _running.ctx = args[0] if args and isinstance(args[0], WorkerContext) else None
+        _running.sync = True
         try:
             if state.autocast_enabled:
                 with torch.autocast(self.device.type, dtype=state.autocast_dtype):
@@ -174,8 +197,9 @@ class DeviceWorker:
                 result = context.run(fn, *args)
         finally:
             _running.ctx = None
-        if self.stream is not None:
-            # Host-device sync point: the job is done only when its kernels are.
+        if self.stream is not None and _running.sync:
+            # Host-device sync point: the job is done only when its kernels are (unless it
+            # said otherwise: leave_stream_running).
             self.stream.synchronize()
         return result
 

@@ -20,11 +20,15 @@ Run:  python bench/gpu.py [--trace DIR]   (on a machine with a CUDA GPU; about a
    - a wide MLP 4096-4096-4096-10, batch 1024: the GPU's work is the step's time.
    The plain loop reads its loss every step (``loss.item()``, as a loop that logs or checks
    its loss does), and, as ``ahead``, never: then the GPU runs behind the host, which can
-   queue the next steps' kernels while it waits. asyncddp ends each step when its stream has
-   finished, and reads the loss, as the first does; ``noatomic`` is asyncddp without its step
-   backup (``atomic_steps=False``: no copy of the parameters and optimizer state on the GPU
-   before each step, which a plain loop does not keep either), ``finite`` with
-   ``check_finite=True``, which reads the loss before the backward instead of after it.
+   queue the next steps' kernels while it waits. asyncddp reads each step's loss once the
+   forward is done, and reports the step with its backward and optimizer step still queued
+   on the GPU (the next step's kernels queue behind them); ``synced`` is asyncddp as it was
+   before that change (``leave_stream_running`` made a no-op): each step reports once its
+   stream has finished, so the GPU idles while the event loop takes the step's results;
+   ``noatomic`` is asyncddp without its step backup (``atomic_steps=False``: no copy of the
+   parameters and optimizer state on the GPU before each step, which a plain loop does not
+   keep either), ``finite`` with ``check_finite=True``, which reads the loss before the
+   backward is queued.
 3. Event-loop lag: a 1 ms ticker on the event loop beside 2 epochs of the wide MLP on the GPU,
    with ``Trainer`` and with the plain loop called from a coroutine (bench/loop_lag.py's measure).
 4. Scaling: the MLP's samples per second on every visible GPU against one.
@@ -48,6 +52,7 @@ from throughput import BATCH, SGD, make_batches, mlp, step, with_asyncddp
 from torch import nn
 
 import asyncddp
+import asyncddp._jobs
 from asyncddp._worker import CallerState, DeviceWorker
 
 Work = Callable[[torch.device], None]
@@ -176,11 +181,16 @@ def wide_mlp() -> nn.Module:
 
 
 def pinned_batches(features: int, batch: int, steps: int) -> list[tuple[torch.Tensor, ...]]:
+    """Batches in page-locked memory (in ordinary memory where no GPU is visible)."""
     generator = torch.Generator().manual_seed(0)
+    pin = torch.cuda.is_available()
     return [
-        (
-            torch.randn(batch, features, generator=generator).pin_memory(),
-            torch.randint(0, 10, (batch,), generator=generator).pin_memory(),
+        tuple(
+            t.pin_memory() if pin else t
+            for t in (
+                torch.randn(batch, features, generator=generator),
+                torch.randint(0, 10, (batch,), generator=generator),
+            )
         )
         for _ in range(steps)
     ]
@@ -204,7 +214,8 @@ def plain_step_ms(
             optimizer.step()
             if read_loss:
                 loss.item()
-        torch.cuda.synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     one_pass()
     start = time.perf_counter()
@@ -213,31 +224,44 @@ def plain_step_ms(
 
 
 async def asyncddp_step_ms(
-    make: Callable[[], nn.Module], batches: list[Any], device: torch.device, **options: Any
+    make: Callable[[], nn.Module],
+    batches: list[Any],
+    device: torch.device,
+    synced: bool = False,
+    **options: Any,
 ) -> float:
-    """``Trainer`` on ``device``: ms per step of a fit's second epoch (the first warms up)."""
+    """``Trainer`` on ``device``: ms per step of a fit's second epoch (the first warms up);
+    with ``synced``, every step waits for its stream before it reports."""
     torch.manual_seed(0)
     trainer = asyncddp.Trainer(make(), SGD, step, devices=device, progress_bar=False, **options)
-    result = await trainer.fit(batches, epochs=2)
+    leave = asyncddp._jobs.leave_stream_running
+    if synced:
+        asyncddp._jobs.leave_stream_running = lambda: None  # type: ignore[assignment]
+    try:
+        result = await trainer.fit(batches, epochs=2)
+    finally:
+        asyncddp._jobs.leave_stream_running = leave  # type: ignore[assignment]
     return result.history[-1].seconds * 1e3 / len(batches)
 
 
-async def one_gpu(device: torch.device, rounds: int, steps: int) -> None:
-    workloads = [
-        ("mlp 512-1024-10, batch 256", mlp, pinned_batches(512, BATCH, steps)),
-        ("mlp 4096-4096-4096-10, batch 1024", wide_mlp, pinned_batches(4096, 1024, steps // 4)),
-    ]
+async def one_gpu(device: torch.device, rounds: int, steps: int, wide: bool = True) -> None:
+    workloads = [("mlp 512-1024-10, batch 256", mlp, pinned_batches(512, BATCH, steps))]
+    if wide:
+        workloads.append(
+            ("mlp 4096-4096-4096-10, batch 1024", wide_mlp, pinned_batches(4096, 1024, steps // 4))
+        )
     print(
         f"one GPU: ms per step, median of {rounds} rounds (plain: loss.item() every step; "
-        "ahead: never; noatomic: asyncddp with atomic_steps=False; finite: with "
-        "check_finite=True)"
+        "ahead: never; synced: asyncddp waiting for its stream before each step reports; "
+        "noatomic: asyncddp with atomic_steps=False; finite: with check_finite=True)"
     )
     print(
-        f"  {'workload':34} {'plain':>6} {'ahead':>6} {'asyncddp':>8} {'noatomic':>8} "
-        f"{'finite':>6}  asyncddp vs plain, vs ahead"
+        f"  {'workload':34} {'plain':>6} {'ahead':>6} {'asyncddp':>8} {'synced':>6} "
+        f"{'noatomic':>8} {'finite':>6}  asyncddp vs plain, vs ahead, vs synced"
     )
     options: dict[str, dict[str, Any]] = {
         "asyncddp": {},
+        "synced": {"synced": True},
         "noatomic": {"atomic_steps": False},
         "finite": {"check_finite": True},
     }
@@ -249,10 +273,11 @@ async def one_gpu(device: torch.device, rounds: int, steps: int) -> None:
             times["ahead"].append(plain_step_ms(make, batches, device, read_loss=False))
             for contender, given in options.items():
                 times[contender].append(await asyncddp_step_ms(make, batches, device, **given))
-        plain, ahead, ours, noatomic, finite = (statistics.median(times[k]) for k in times)
+        plain, ahead, ours, synced, noatomic, finite = (statistics.median(times[k]) for k in times)
         print(
-            f"  {name:34} {plain:6.3f} {ahead:6.3f} {ours:8.3f} {noatomic:8.3f} {finite:6.3f}  "
-            f"{ours / plain - 1:+7.1%}, {ours / ahead - 1:+7.1%}"
+            f"  {name:34} {plain:6.3f} {ahead:6.3f} {ours:8.3f} {synced:6.3f} {noatomic:8.3f} "
+            f"{finite:6.3f}  {ours / plain - 1:+7.1%}, {ours / ahead - 1:+7.1%}, "
+            f"{ours / synced - 1:+7.1%}"
         )
 
 
@@ -301,6 +326,7 @@ async def main() -> None:
             f"serial {serial * 1e3:.1f} ms, serial/concurrent {serial / concurrent:.2f}x"
         )
     if not cuda:
+        await one_gpu(device, rounds, steps, wide=False)  # the step table's code, on the CPU
         rate = await with_asyncddp(mlp, make_batches((512,), steps), 2)
         print(f"MLP, batch {BATCH}, 2 CPU workers: {rate:.0f} samples/s")
         return

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import pytest
@@ -174,6 +174,74 @@ async def test_a_failure_on_a_gpu_names_it_and_keeps_the_cause() -> None:
     assert trainer.global_step == 2
     await trainer.fit(batches, epochs=1)  # the cause is gone: the epoch goes on from there
     assert trainer.global_step == len(batches)
+
+
+class SlowBackward(torch.autograd.Function):
+    """The identity, whose backward first keeps the GPU busy (~0.1-0.2 s), then records on
+    its stream (the worker's: a backward runs on its forward's stream) that it is done."""
+
+    done: ClassVar[list[torch.cuda.Event]] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(300_000_000)  # clock cycles
+        event = torch.cuda.Event()
+        event.record()
+        SlowBackward.done.append(event)
+        return grad
+
+
+async def test_a_step_on_one_gpu_reports_before_its_kernels_end_and_loses_nothing() -> None:
+    # A lone GPU's step reports once its backward and optimizer step are queued and its loss
+    # and metrics are on the host (copied behind the forward): the GPU works through the rest
+    # while the event loop takes the step's results and hands over the next batch.
+    SlowBackward.done.clear()
+    batches = make_batches([32, 32, 32, 9])
+
+    def slow_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
+        inputs, targets = batch
+        logits = SlowBackward.apply(model(inputs))
+        return {
+            "loss": F.cross_entropy(logits, targets),
+            "accuracy": (logits.argmax(1) == targets).float().mean(),
+        }
+
+    model = make_model().to(GPU)  # the plain loop, for the losses, metrics and parameters
+    opt = SGD(model.parameters())
+    loss_sum = correct = 0.0
+    for inputs, targets in batches:
+        opt.zero_grad()
+        logits = model(inputs.to(GPU))
+        loss = F.cross_entropy(logits, targets.to(GPU))
+        loss.backward()
+        opt.step()
+        loss_sum += float(loss.detach()) * len(targets)
+        correct += float((logits.argmax(1) == targets.to(GPU)).sum())
+    items = sum(len(b[1]) for b in batches)
+
+    trainer = Trainer(make_model(), SGD, slow_step, devices=GPU, progress_bar=False)
+    stream = trainer.events()
+    running_when_reported: list[bool] = []
+
+    async def watch() -> None:
+        async for event in stream:
+            if isinstance(event, StepEnded):
+                running_when_reported.append(not SlowBackward.done[event.step].query())
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(watch)
+        result = await trainer.fit(batches, epochs=1)
+    assert running_when_reported == [True] * len(batches)
+    record = result.history[0]
+    assert record.train_loss == pytest.approx(loss_sum / items, rel=1e-5)
+    assert record.train_metrics["accuracy"] == pytest.approx(correct / items, rel=1e-6)
+    # Read on this thread's stream once fit has returned: its session's end waited for the
+    # worker's stream, the last step's 0.1-0.2 s of backward and its optimizer step included.
+    assert_close(on_cpu(trainer.model), on_cpu(model), 1e-5)
 
 
 async def test_a_dataloader_with_pinned_memory_feeds_a_gpu_exactly(

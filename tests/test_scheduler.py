@@ -27,6 +27,7 @@ from asyncddp import (
     cpu_devices,
 )
 from asyncddp._openmp import release_idle_threads
+from asyncddp._worker import CallerState, DeviceWorker, leave_stream_running
 from asyncddp.testing import InjectedFailure, asyncddp_threads, fail_on, hang_on
 
 pytestmark = pytest.mark.anyio
@@ -453,6 +454,40 @@ async def test_cuda_workers_have_their_own_streams_and_devices() -> None:
         stream != torch.cuda.default_stream(i).cuda_stream for i, stream in enumerate(streams)
     )
     assert all(total == 64.0 * 64 * 64 for _, _, total in result.outputs)
+
+
+class CountingStream:
+    """Stands in for a worker's CUDA stream on a CPU worker: counts the waits for it."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+
+
+def test_a_job_waits_for_its_stream_unless_it_leaves_it_running() -> None:
+    worker = DeviceWorker(cpu_devices(1)[0])  # not started: invoke runs on this thread
+    stream = CountingStream()
+    worker.stream = stream  # type: ignore[assignment]
+    ctx = WorkerContext(worker.device, None, 0, "train")
+    state = CallerState.capture("cpu")
+
+    def ordinary(ctx: WorkerContext) -> str:
+        return "done"
+
+    def leaves(ctx: WorkerContext) -> str:
+        leave_stream_running()
+        return "queued"
+
+    assert worker.invoke(state, contextvars.copy_context(), ordinary, ctx) == "done"
+    assert stream.waits == 1
+    assert worker.invoke(state, contextvars.copy_context(), leaves, ctx) == "queued"
+    assert stream.waits == 1  # returned while its kernels may still run
+    # The next job waits again, for its own kernels and those left running before it.
+    assert worker.invoke(state, contextvars.copy_context(), ordinary, ctx) == "done"
+    assert stream.waits == 2
+    leave_stream_running()  # outside a job: nothing to leave running, and no error
 
 
 # -- regressions found in review -------------------------------------------------------------

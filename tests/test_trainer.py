@@ -972,6 +972,36 @@ def test_a_trainer_on_gpus_and_the_cpu_at_once_is_refused(
         Trainer(make_model(), ADAMW, loss_step, devices=devices, progress_bar=False)
 
 
+@pytest.mark.parametrize(("devices", "accumulate", "expected"), [(1, 1, 6), (1, 2, 3), (2, 1, 0)])
+async def test_only_a_lone_devices_optimizer_steps_leave_its_stream_running(
+    monkeypatch: pytest.MonkeyPatch, devices: int, accumulate: int, expected: int
+) -> None:
+    # On a GPU such a job reports before its kernels end (the next job of the same stream runs
+    # behind them); with several devices another stream reads each replica, so never then,
+    # nor for any job but a step's last (fused) one: validation, checkpoints and the
+    # session's end wait for the stream.
+    left: list[tuple[str, str | None]] = []
+
+    def record() -> None:
+        ctx = asyncddp.current_worker()
+        assert ctx is not None, "called outside a job"
+        left.append((ctx.device.name, ctx.phase))
+
+    monkeypatch.setattr(asyncddp._jobs, "leave_stream_running", record)
+    batches = make_batches([8] * 6)
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(devices),
+        accumulate_grad_batches=accumulate,
+        split_batches=True,
+        progress_bar=False,
+    )
+    await trainer.fit(batches, epochs=1, valid_data=batches[:2])
+    assert left == [("cpu#0", "train")] * expected
+
+
 def test_bad_configuration_fails_at_construction() -> None:
     frozen = make_model()
     frozen.requires_grad_(False)
