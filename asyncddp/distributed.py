@@ -79,7 +79,11 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
             processes may share a GPU. Across machines the default is NCCL wherever a GPU is
             visible (every machine must agree): give ``"gloo"`` on every machine to train on
             CPUs or on shared GPUs. With NCCL the process's current GPU becomes
-            ``cuda:LOCAL_RANK``.
+            ``cuda:LOCAL_RANK``, or, where ``CUDA_VISIBLE_DEVICES`` shows each process fewer
+            GPUs than its machine has processes (a launcher that gives each its own, as
+            SLURM's ``--gpus-per-task``), ``LOCAL_RANK`` modulo the visible count: on one
+            machine NCCL is then taken only when asked for, as asyncddp cannot tell whether
+            the processes see the same GPUs.
         timeout: Seconds a collective may wait for the other ranks before it fails (torch's
             default when ``None``: 10 minutes for NCCL, 30 for gloo). Failures of a rank are
             reported much sooner: see the module's description.
@@ -87,7 +91,8 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
     Raises:
         ConfigurationError: the environment variables are missing (not launched by
             ``torchrun``), ``backend`` is unknown, or NCCL is asked for and this process has
-            no GPU of its own.
+            no GPU of its own (fewer GPUs than processes on its machine, and no
+            ``CUDA_VISIBLE_DEVICES``).
     """
     if dist.is_initialized():
         return _current()
@@ -100,7 +105,7 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
         )
     backend = _backend(backend)
     if backend == "nccl":
-        torch.cuda.set_device(_local_rank())
+        torch.cuda.set_device(_local_gpu())
     dist.init_process_group(
         backend,
         init_method="env://",
@@ -114,12 +119,26 @@ def _local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
 
 
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _local_gpu() -> int:
+    """This process's GPU: ``LOCAL_RANK`` among the visible ones (the first of its own where
+    ``CUDA_VISIBLE_DEVICES`` shows each process only its GPUs)."""
+    return _local_rank() % max(_gpus(), 1)
+
+
 def _backend(asked: str | None) -> str:
     """The backend to join with: ``asked``, checked, or the default for this machine."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = _gpus()
     needed = max(local_size, _local_rank() + 1)
+    # CUDA_VISIBLE_DEVICES may show each process GPUs of its own (SLURM's --gpus-per-task,
+    # say), or the same ones to all: this process cannot tell which, so fewer GPUs than
+    # processes is no reason to refuse NCCL then (NCCL itself refuses two ranks on one GPU).
+    own_gpus = gpus > 0 and bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
     if asked is None:
         if gpus == 0 or not dist.is_nccl_available():
             return "gloo"
@@ -133,12 +152,13 @@ def _backend(asked: str | None) -> str:
         asked = "nccl"
     if asked not in ("gloo", "nccl"):
         raise ConfigurationError(f"backend must be 'gloo' or 'nccl', got {asked!r}")
-    if asked == "nccl" and gpus < needed:
+    if asked == "nccl" and gpus < needed and not own_gpus:
         raise ConfigurationError(
             f"NCCL needs a GPU for each process, but {local_size} process(es) share this "
             f"machine (LOCAL_RANK {_local_rank()}) and {gpus} GPU(s) {'is' if gpus == 1 else 'are'}"
             f" visible; start at most {gpus} process(es) per machine, or join with "
-            "asyncddp.distributed.init('gloo') on every machine"
+            "asyncddp.distributed.init('gloo') on every machine (or give each process GPUs of "
+            "its own with CUDA_VISIBLE_DEVICES)"
         )
     return asked
 

@@ -616,7 +616,7 @@ def torchrun_env(monkeypatch: pytest.MonkeyPatch, gpus: int, env: dict[str, int]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, str(value))
@@ -670,6 +670,55 @@ def test_across_machines_a_machine_short_of_gpus_is_refused_not_left_on_gloo(
         asyncddp.distributed._backend(None)
     with pytest.raises(asyncddp.ConfigurationError, match="init\\('gloo'\\) on every machine"):
         asyncddp.distributed.init()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_gpus_of_its_own_through_cuda_visible_devices_let_a_process_join_nccl(
+    monkeypatch: pytest.MonkeyPatch, rank: int
+) -> None:
+    # SLURM's --gpus-per-task: each of 2 processes on a machine sees one GPU, its own, as
+    # cuda:0. On one machine asyncddp cannot tell that from 2 processes shown the same GPU, so
+    # the default stays gloo, but NCCL is taken when asked for, on cuda:0 for both.
+    env = {**ONE_MACHINE, "RANK": rank, "LOCAL_RANK": rank}
+    torchrun_env(monkeypatch, 1, env)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", str(4 + rank))
+    assert asyncddp.distributed._backend(None) == "gloo"
+    assert asyncddp.distributed._backend("nccl") == "nccl"
+    assert asyncddp.distributed._local_gpu() == 0
+    # Across machines the default is NCCL, not refused for the GPU count.
+    torchrun_env(
+        monkeypatch,
+        1,
+        {"RANK": 2 + rank, "WORLD_SIZE": 4, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": 2},
+    )
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", str(rank))
+    assert asyncddp.distributed._backend(None) == "nccl"
+    assert asyncddp.distributed._local_gpu() == 0
+    # Without the variable, the same machine is short of GPUs, and says so.
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(asyncddp.ConfigurationError, match="CUDA_VISIBLE_DEVICES"):
+        asyncddp.distributed._backend(None)
+
+
+def test_init_with_nccl_makes_this_processs_gpu_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("device", device)))
+    monkeypatch.setattr(
+        torch.distributed,
+        "init_process_group",
+        lambda backend, **kwargs: calls.append(("backend", backend)),
+    )
+    monkeypatch.setattr(asyncddp.distributed, "_current", lambda: None)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    env = {"RANK": 11, "WORLD_SIZE": 16, "LOCAL_RANK": 3, "LOCAL_WORLD_SIZE": 8}
+    torchrun_env(monkeypatch, 8, env)
+    asyncddp.distributed.init()
+    torchrun_env(monkeypatch, 1, env)  # one GPU of its own, as cuda:0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    asyncddp.distributed.init()
+    assert calls == [("device", 3), ("backend", "nccl"), ("device", 0), ("backend", "nccl")]
 
 
 def test_a_trainer_on_the_cpu_in_an_nccl_group_says_what_to_do(
