@@ -128,6 +128,21 @@ def move_to(value: Any, device: torch.device, *, non_blocking: bool = False) -> 
     return value
 
 
+def record_stream(value: Any, stream: torch.cuda.Stream) -> None:
+    """Mark every tensor in ``value`` that lives on ``stream``'s device as used on ``stream``:
+    the caching allocator then keeps its memory from other streams until the work queued on
+    ``stream`` so far is done, even if the tensor is freed before."""
+    if isinstance(value, torch.Tensor):
+        if value.device == stream.device:
+            value.record_stream(stream)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            record_stream(item, stream)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            record_stream(item, stream)
+
+
 def pin(value: Any) -> Any:
     """Page-lock every CPU tensor in ``value``, for fast, asynchronous copies to a GPU."""
     if isinstance(value, torch.Tensor):

@@ -20,7 +20,7 @@ import torch
 
 from . import _comm
 from ._comm import Comm, Global
-from ._data import move_to
+from ._data import move_to, record_stream
 from ._exceptions import StepOutputError
 from ._replica import Replica, StepFunction, loss_and_metrics
 from ._sync import all_gather, all_reduce_chunk, clip_coefficient, reduce_scatter, scale_grads
@@ -199,7 +199,8 @@ class ExchangeWork:
 class _OnHost:
     """A GPU step's loss and tensor metrics, copied to page-locked host memory behind the
     kernels queued so far (the forward), to be read without waiting for those queued after
-    them (the backward): ``float(loss)`` would wait for the whole stream."""
+    them (the backward): ``float(loss)`` would wait for the whole stream. So a metric is read
+    as the forward left it (one that the backward writes, through a hook, is read before)."""
 
     __slots__ = ("_copied", "loss", "metrics")
 
@@ -211,6 +212,19 @@ class _OnHost:
         }
         self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self._copied.record(stream)
+
+    @classmethod
+    def behind_forward(
+        cls, ctx: WorkerContext, loss: torch.Tensor, metrics: dict[str, Any]
+    ) -> _OnHost | None:
+        """The copies, or ``None`` where a tensor is on another GPU, whose copy would be
+        queued on that GPU's stream, which the event does not cover: read after the backward
+        then, as without ``early_read``."""
+        assert ctx.stream is not None
+        tensors = [loss, *(v for v in metrics.values() if isinstance(v, torch.Tensor))]
+        if any(t.is_cuda and t.device != ctx.torch_device for t in tensors):
+            return None
+        return cls(ctx.stream, loss, metrics)
 
     def read(self) -> tuple[float, dict[str, Any]]:
         """Wait for the copies (and what was queued before them); the loss and the metrics."""
@@ -249,15 +263,22 @@ class Jobs:
         self.across_ranks = across_ranks
 
     def _forward(self, fn: StepFunction, replica: Replica, shard: Any, ctx: WorkerContext) -> Any:
+        if ctx.stream is not None:
+            # A batch already on this GPU is used as it is, though it was made on another
+            # stream; a step may report before its kernels are done with it (see
+            # train_and_step): its memory must not go to another stream's tensors before.
+            record_stream(shard, ctx.stream)
         batch = move_to(shard, ctx.torch_device, non_blocking=True)
         if self.autocast is None:
             return fn(replica.model, batch)
         with torch.autocast(ctx.device.type, dtype=self.autocast):
             return fn(replica.model, batch)
 
-    def train(self, ctx: WorkerContext, work: TrainWork) -> Sums:
+    def train(self, ctx: WorkerContext, work: TrainWork, *, early_read: bool = False) -> Sums:
         """Forward and backward on one shard; gradients accumulate into the flat buffers (a
-        lone replica's into its ``.grad``)."""
+        lone replica's into its ``.grad``). With ``early_read``, on a GPU, the loss and metrics
+        are copied to the host behind the forward and read without waiting for the backward
+        (see :class:`_OnHost`): for a job that does not wait for its stream at its end."""
         replica = self.replicas[ctx.device.index]
         if work.opens_window:
             replica.open_window()
@@ -275,8 +296,8 @@ class Jobs:
             value = float(loss.detach())
             if not math.isfinite(value):
                 raise NonFiniteLoss(value)
-        elif ctx.stream is not None:
-            on_host = _OnHost(ctx.stream, loss, metrics)  # copied behind the forward
+        elif early_read and ctx.stream is not None:
+            on_host = _OnHost.behind_forward(ctx, loss, metrics)
         weight = work.weight
         if counted is not None and work.per_item is not None:
             weight = work.per_item * counted
@@ -380,7 +401,7 @@ class Jobs:
         replica = self.replicas[index]
         phase = "train"
         try:
-            sums = self.train(ctx, work.train)
+            sums = self.train(ctx, work.train, early_read=meeting is None)
             phase = "reduce"
             everyone = [sums]
             if meeting is None:

@@ -223,8 +223,9 @@ class StepScheduler:
             any thread starts.
         step_timeout: Seconds a device may take for one job before :meth:`run` raises
             :class:`WorkerTimeoutError`, counted from when the job is queued (so it includes
-            the work an earlier job left for after it, :func:`after_job`); ``None`` waits as
-            long as it takes.
+            the work an earlier job left for after it, :func:`after_job`, and on a GPU the
+            kernels an earlier job left running on the stream); ``None`` waits as long as it
+            takes.
         drain_timeout: After a failure or a cancellation, how many seconds to wait for the
             other devices' jobs that are already running, before raising anyway (they finish
             on their own; that device's next job waits for them). ``None`` waits for them.
@@ -344,6 +345,34 @@ class StepScheduler:
         if cancellation is not None:
             raise cancellation
 
+    async def _finish_stream_work(
+        self, *, step: int | None = None, epoch: int | None = None, phase: str | None = "train"
+    ) -> None:
+        """Wait, as long as it takes, for the GPU work that jobs left running on their workers'
+        streams (:func:`~asyncddp._worker.leave_stream_running`), where every worker's last job
+        did and none has started since; otherwise nothing. Closing waits for jobs at most
+        ``drain_timeout``; this is for work known not to hang. Shielded from cancellation.
+
+        Raises:
+            WorkerFailedError: that work failed (an asynchronous CUDA error), named with
+                ``step``, ``epoch`` and ``phase``.
+        """
+        workers = self._workers
+        if self._state != "open" or not workers:
+            return
+        if not all(worker.stream_left_running for worker in workers):
+            return
+        with anyio.CancelScope(shield=True):
+            await self.run(
+                _noop,
+                [None] * len(workers),
+                items=[0] * len(workers),
+                step=step,
+                epoch=epoch,
+                phase=phase,
+                shield=True,
+            )
+
     async def _close_workers(self) -> BaseException | None:
         waker = current_waker()
         step = self._dispatch(waker, _noop, [None] * len(self._workers), -1, "close")
@@ -384,7 +413,8 @@ class StepScheduler:
 
         The event loop thread only queues the jobs and awaits them; each worker runs its job
         in the caller's grad mode, autocast state and context variables, and on a GPU on its
-        own stream, waiting for the stream before the job counts as done.
+        own stream, waiting for the stream before the job counts as done (unless the job calls
+        :func:`~asyncddp._worker.leave_stream_running`: then its worker's next job waits).
 
         Args:
             fn: The job. Gets a :class:`WorkerContext` and that device's shard.

@@ -492,6 +492,7 @@ class Trainer(Resumable):
             )
         self._session_kind = kind
         self._session_done = anyio.Event()
+        ended = False
         # fast_acquire: an uncontended step need not yield to the loop (the step awaits anyway)
         self._step_lock = anyio.Lock(fast_acquire=True)
         scheduler = self._new_scheduler()
@@ -520,15 +521,30 @@ class Trainer(Resumable):
                 if kind in ("fit", "validate"):  # every rank is in these, none in a checkpoint
                     await self._take_rank_0s_model()
             yield scheduler
+            ended = True
         finally:
             # Dropping a device replaces the scheduler: close whichever one is current.
             current, self._scheduler = self._scheduler, None
             try:
                 if current is not None:
-                    await current.aclose()
+                    try:
+                        await self._finish_streams(current, raise_errors=ended)
+                    finally:
+                        await current.aclose()
             finally:
                 self._session_kind = None
                 self._session_done.set()
+
+    async def _finish_streams(self, scheduler: StepScheduler, *, raise_errors: bool) -> None:
+        """Wait for the kernels a lone GPU's last step left running (see
+        ``Jobs.train_and_step``), as long as they take: closing the workers waits for a job
+        at most ``drain_timeout``, and ``trainer.model`` is read once the session ends. An
+        error of theirs (an asynchronous CUDA error) raises, unless the session already is."""
+        try:
+            await scheduler._finish_stream_work(step=max(self.global_step - 1, 0), epoch=self.epoch)
+        except Exception:
+            if raise_errors:
+                raise
 
     def _refuse_if_running(self) -> None:
         if self._session_kind is not None:

@@ -143,6 +143,9 @@ class DeviceWorker:
         self.device = device
         self.threads = threads
         self.stream: torch.cuda.Stream | None = None
+        # The last job that started here returned and left GPU work running on the stream
+        # (leave_stream_running): read on the event loop, written here.
+        self.stream_left_running = False
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._setup_error: BaseException | None = None
         self._thread = threading.Thread(
@@ -189,6 +192,7 @@ class DeviceWorker:
         torch.set_grad_enabled(state.grad_enabled)
         _running.ctx = args[0] if args and isinstance(args[0], WorkerContext) else None
         _running.sync = True
+        self.stream_left_running = False
         try:
             if state.autocast_enabled:
                 with torch.autocast(self.device.type, dtype=state.autocast_dtype):
@@ -197,10 +201,13 @@ class DeviceWorker:
                 result = context.run(fn, *args)
         finally:
             _running.ctx = None
-        if self.stream is not None and _running.sync:
-            # Host-device sync point: the job is done only when its kernels are (unless it
-            # said otherwise: leave_stream_running).
-            self.stream.synchronize()
+        if self.stream is not None:
+            if _running.sync:
+                # Host-device sync point: the job is done only when its kernels are (unless
+                # it said otherwise: leave_stream_running).
+                self.stream.synchronize()
+            else:
+                self.stream_left_running = True
         return result
 
     def _main(self) -> None:

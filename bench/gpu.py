@@ -23,8 +23,10 @@ Run:  python bench/gpu.py [--trace DIR]   (on a machine with a CUDA GPU; about a
    queue the next steps' kernels while it waits. asyncddp reads each step's loss once the
    forward is done, and reports the step with its backward and optimizer step still queued
    on the GPU (the next step's kernels queue behind them); ``synced`` is asyncddp as it was
-   before that change (``leave_stream_running`` made a no-op): each step reports once its
-   stream has finished, so the GPU idles while the event loop takes the step's results;
+   before that change: the loss read once the backward is queued (waiting for it), and each
+   step reporting once its stream has finished, so that the GPU idles while the event loop
+   takes the step's results. A fit's epoch time, from which asyncddp's figures come, ends
+   when its last step reports, before that step's GPU work does (one step in 50 or 200);
    ``noatomic`` is asyncddp without its step backup (``atomic_steps=False``: no copy of the
    parameters and optimizer state on the GPU before each step, which a plain loop does not
    keep either), ``finite`` with ``check_finite=True``, which reads the loss before the
@@ -234,13 +236,16 @@ async def asyncddp_step_ms(
     with ``synced``, every step waits for its stream before it reports."""
     torch.manual_seed(0)
     trainer = asyncddp.Trainer(make(), SGD, step, devices=device, progress_bar=False, **options)
-    leave = asyncddp._jobs.leave_stream_running
-    if synced:
-        asyncddp._jobs.leave_stream_running = lambda: None  # type: ignore[assignment]
+    jobs = asyncddp._jobs
+    leave, behind_forward = jobs.leave_stream_running, vars(jobs._OnHost)["behind_forward"]
+    if synced:  # as before: the loss read after the backward, every job waiting for its stream
+        jobs.leave_stream_running = lambda: None  # type: ignore[assignment]
+        jobs._OnHost.behind_forward = classmethod(lambda *args: None)  # type: ignore[assignment]
     try:
         result = await trainer.fit(batches, epochs=2)
     finally:
-        asyncddp._jobs.leave_stream_running = leave  # type: ignore[assignment]
+        jobs.leave_stream_running = leave  # type: ignore[assignment]
+        jobs._OnHost.behind_forward = behind_forward  # type: ignore[assignment]
     return result.history[-1].seconds * 1e3 / len(batches)
 
 

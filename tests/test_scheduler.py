@@ -481,13 +481,43 @@ def test_a_job_waits_for_its_stream_unless_it_leaves_it_running() -> None:
         return "queued"
 
     assert worker.invoke(state, contextvars.copy_context(), ordinary, ctx) == "done"
-    assert stream.waits == 1
+    assert (stream.waits, worker.stream_left_running) == (1, False)
     assert worker.invoke(state, contextvars.copy_context(), leaves, ctx) == "queued"
-    assert stream.waits == 1  # returned while its kernels may still run
+    assert (stream.waits, worker.stream_left_running) == (1, True)  # its kernels may still run
     # The next job waits again, for its own kernels and those left running before it.
     assert worker.invoke(state, contextvars.copy_context(), ordinary, ctx) == "done"
-    assert stream.waits == 2
+    assert (stream.waits, worker.stream_left_running) == (2, False)
     leave_stream_running()  # outside a job: nothing to leave running, and no error
+
+
+async def test_finish_stream_work_waits_for_what_the_last_jobs_left_running() -> None:
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        streams = [CountingStream(), CountingStream()]
+        for worker, stream in zip(scheduler._workers, streams, strict=True):
+            worker.stream = stream  # type: ignore[assignment]
+
+        def leaves(ctx: WorkerContext, shard: None) -> None:
+            leave_stream_running()
+
+        await scheduler._finish_stream_work()  # nothing left running: no job
+        assert [s.waits for s in streams] == [0, 0]
+        await scheduler.run(leaves, [None, None])
+        assert [s.waits for s in streams] == [0, 0]
+        await scheduler._finish_stream_work()
+        assert [s.waits for s in streams] == [1, 1]
+        await scheduler._finish_stream_work()  # waited for already
+        assert [s.waits for s in streams] == [1, 1]
+
+        def leaves_on_one(ctx: WorkerContext, shard: None) -> None:
+            if ctx.device.index == 0:
+                leave_stream_running()
+
+        # One worker's last job waited for its stream: _finish_stream_work does not run a job on
+        # every worker (one may be stuck in a job; here it is not, but it cannot tell).
+        await scheduler.run(leaves_on_one, [None, None])
+        assert [s.waits for s in streams] == [1, 2]
+        await scheduler._finish_stream_work()
+        assert [s.waits for s in streams] == [1, 2]
 
 
 # -- regressions found in review -------------------------------------------------------------

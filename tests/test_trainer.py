@@ -985,6 +985,8 @@ async def test_only_a_lone_devices_optimizer_steps_leave_its_stream_running(
     def record() -> None:
         ctx = asyncddp.current_worker()
         assert ctx is not None, "called outside a job"
+        # Once the optimizer step is taken (only the kernels of a step may be left running).
+        assert trainer._replicas[0].stepped_at == trainer._apply_id
         left.append((ctx.device.name, ctx.phase))
 
     monkeypatch.setattr(asyncddp._jobs, "leave_stream_running", record)
@@ -1000,6 +1002,35 @@ async def test_only_a_lone_devices_optimizer_steps_leave_its_stream_running(
     )
     await trainer.fit(batches, epochs=1, valid_data=batches[:2])
     assert left == [("cpu#0", "train")] * expected
+
+
+@pytest.mark.parametrize("fails", [False, True])
+async def test_a_session_waits_for_the_streams_left_running_then_closes(
+    monkeypatch: pytest.MonkeyPatch, fails: bool
+) -> None:
+    calls: list[str] = []
+    finish, close = asyncddp.StepScheduler._finish_stream_work, asyncddp.StepScheduler.aclose
+
+    async def _finish_stream_work(self: asyncddp.StepScheduler, **details: Any) -> None:
+        calls.append("finish")
+        await finish(self, **details)
+        if fails:
+            raise RuntimeError("an asynchronous CUDA error, say")
+
+    async def aclose(self: asyncddp.StepScheduler) -> None:
+        calls.append("close")
+        await close(self)
+
+    monkeypatch.setattr(asyncddp.StepScheduler, "_finish_stream_work", _finish_stream_work)
+    monkeypatch.setattr(asyncddp.StepScheduler, "aclose", aclose)
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), progress_bar=False)
+    if fails:  # raised, once the workers are closed
+        with pytest.raises(RuntimeError, match="asynchronous CUDA error"):
+            await trainer.fit(make_batches([8, 8]), epochs=1)
+    else:
+        await trainer.fit(make_batches([8, 8]), epochs=1)
+    assert calls == ["finish", "close"]
+    assert asyncddp.testing.asyncddp_threads() == []
 
 
 def test_bad_configuration_fails_at_construction() -> None:
