@@ -128,19 +128,15 @@ def move_to(value: Any, device: torch.device, *, non_blocking: bool = False) -> 
     return value
 
 
-def record_stream(value: Any, stream: torch.cuda.Stream) -> None:
-    """Mark every tensor in ``value`` that lives on ``stream``'s device as used on ``stream``:
-    the caching allocator then keeps its memory from other streams until the work queued on
-    ``stream`` so far is done, even if the tensor is freed before."""
+def holds_cuda(value: Any) -> bool:
+    """Whether ``value`` holds a tensor on a GPU (in the containers :func:`move_to` walks)."""
     if isinstance(value, torch.Tensor):
-        if value.device == stream.device:
-            value.record_stream(stream)
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            record_stream(item, stream)
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            record_stream(item, stream)
+        return value.is_cuda
+    if isinstance(value, Mapping):
+        return any(holds_cuda(item) for item in value.values())
+    if isinstance(value, (tuple, list)):
+        return any(holds_cuda(item) for item in value)
+    return False
 
 
 def pin(value: Any) -> Any:

@@ -20,7 +20,7 @@ import torch
 
 from . import _comm
 from ._comm import Comm, Global
-from ._data import move_to, record_stream
+from ._data import holds_cuda, move_to
 from ._exceptions import StepOutputError
 from ._replica import Replica, StepFunction, loss_and_metrics
 from ._sync import all_gather, all_reduce_chunk, clip_coefficient, reduce_scatter, scale_grads
@@ -263,11 +263,6 @@ class Jobs:
         self.across_ranks = across_ranks
 
     def _forward(self, fn: StepFunction, replica: Replica, shard: Any, ctx: WorkerContext) -> Any:
-        if ctx.stream is not None:
-            # A batch already on this GPU is used as it is, though it was made on another
-            # stream; a step may report before its kernels are done with it (see
-            # train_and_step): its memory must not go to another stream's tensors before.
-            record_stream(shard, ctx.stream)
         batch = move_to(shard, ctx.torch_device, non_blocking=True)
         if self.autocast is None:
             return fn(replica.model, batch)
@@ -400,8 +395,13 @@ class Jobs:
         index = ctx.device.index
         replica = self.replicas[index]
         phase = "train"
+        # One GPU in one process: the step may report while its stream still runs the
+        # backward's tail and the optimizer step (see below). Not with a batch that is on a GPU
+        # already: its tensors come from elsewhere (another stream, another allocator, a
+        # buffer the loader fills again), and the tail reads them.
+        early = meeting is None and not holds_cuda(work.train.shard)  # (on a CPU: no stream)
         try:
-            sums = self.train(ctx, work.train, early_read=meeting is None)
+            sums = self.train(ctx, work.train, early_read=early)
             phase = "reduce"
             everyone = [sums]
             if meeting is None:
@@ -443,13 +443,12 @@ class Jobs:
             unused = tuple(i for i, flag in enumerate(used) if not flag)
             phase = "optimizer"
             lr = self.apply(ctx, dataclasses.replace(apply, coefficient=coefficient, unused=unused))
-            if meeting is None:
-                # One GPU in one process: the step reports while its stream still runs the
-                # backward's tail and the optimizer step, so the GPU works through them while
-                # the event loop takes the results and hands over the next step (queued
-                # behind them on the same stream). No other stream or thread reads this
-                # replica before this worker's next job; every other job, the session's last
-                # included, waits for the stream.
+            if early:
+                # The step reports while its stream still runs the backward's tail and the
+                # optimizer step, so the GPU works through them while the event loop takes the
+                # results and hands over the next step (queued behind them on the same
+                # stream). No other stream or thread reads this replica before this worker's
+                # next job; every other job, and the end of the session, waits for the stream.
                 leave_stream_running()
         except PeerLeft:
             return None

@@ -348,10 +348,11 @@ class StepScheduler:
     async def _finish_stream_work(
         self, *, step: int | None = None, epoch: int | None = None, phase: str | None = "train"
     ) -> None:
-        """Wait, as long as it takes, for the GPU work that jobs left running on their workers'
-        streams (:func:`~asyncddp._worker.leave_stream_running`), where every worker's last job
-        did and none has started since; otherwise nothing. Closing waits for jobs at most
-        ``drain_timeout``; this is for work known not to hang. Shielded from cancellation.
+        """Wait for the GPU work that jobs left running on their workers' streams
+        (:func:`~asyncddp._worker.leave_stream_running`), where every worker's last job did
+        and none has started since; otherwise nothing. Closing waits for a job at most
+        ``drain_timeout``; this waits as a job does: up to ``step_timeout``, and cancellable
+        (closing then bounds what is left).
 
         Raises:
             WorkerFailedError: that work failed (an asynchronous CUDA error), named with
@@ -362,16 +363,14 @@ class StepScheduler:
             return
         if not all(worker.stream_left_running for worker in workers):
             return
-        with anyio.CancelScope(shield=True):
-            await self.run(
-                _noop,
-                [None] * len(workers),
-                items=[0] * len(workers),
-                step=step,
-                epoch=epoch,
-                phase=phase,
-                shield=True,
-            )
+        await self.run(
+            _noop,
+            [None] * len(workers),
+            items=[0] * len(workers),
+            step=step,
+            epoch=epoch,
+            phase=phase,
+        )
 
     async def _close_workers(self) -> BaseException | None:
         waker = current_waker()

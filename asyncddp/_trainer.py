@@ -528,23 +528,25 @@ class Trainer(Resumable):
             try:
                 if current is not None:
                     try:
-                        await self._finish_streams(current, raise_errors=ended)
+                        if ended:  # else closing bounds the wait: drain_timeout
+                            await self._finish_streams(current)
                     finally:
                         await current.aclose()
             finally:
                 self._session_kind = None
                 self._session_done.set()
 
-    async def _finish_streams(self, scheduler: StepScheduler, *, raise_errors: bool) -> None:
+    async def _finish_streams(self, scheduler: StepScheduler) -> None:
         """Wait for the kernels a lone GPU's last step left running (see
-        ``Jobs.train_and_step``), as long as they take: closing the workers waits for a job
-        at most ``drain_timeout``, and ``trainer.model`` is read once the session ends. An
-        error of theirs (an asynchronous CUDA error) raises, unless the session already is."""
+        ``Jobs.train_and_step``) as a step waits for its own (up to ``step_timeout``): closing
+        the workers waits at most ``drain_timeout``, and ``trainer.model`` is read once the
+        session ends. An error of theirs (an asynchronous CUDA error) raises, as the step's."""
+        epoch = self.epoch - 1 if self._batches_done == 0 and self.epoch else self.epoch
         try:
-            await scheduler._finish_stream_work(step=max(self.global_step - 1, 0), epoch=self.epoch)
-        except Exception:
-            if raise_errors:
-                raise
+            await scheduler._finish_stream_work(step=max(self.global_step - 1, 0), epoch=epoch)
+        except WorkerFailedError as error:
+            self._publish_failure(error, "raise")
+            raise
 
     def _refuse_if_running(self) -> None:
         if self._session_kind is not None:

@@ -520,6 +520,36 @@ async def test_finish_stream_work_waits_for_what_the_last_jobs_left_running() ->
         assert [s.waits for s in streams] == [1, 2]
 
 
+class BlockingStream(CountingStream):
+    """A stand-in stream whose work takes until ``done`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.done = threading.Event()
+
+    def synchronize(self) -> None:
+        super().synchronize()
+        self.done.wait(30)
+
+
+async def test_waiting_for_stream_work_left_running_can_be_cancelled() -> None:
+    # As a job's own wait for its stream: the close that follows bounds what is left.
+    async with StepScheduler(cpu_devices(1), drain_timeout=0.2) as scheduler:
+        stream = BlockingStream()
+        scheduler._workers[0].stream = stream  # type: ignore[assignment]
+
+        def leaves(ctx: WorkerContext, shard: None) -> None:
+            leave_stream_running()
+
+        await scheduler.run(leaves, [None])
+        started = time.monotonic()
+        with anyio.move_on_after(0.2) as scope:
+            await scheduler._finish_stream_work()
+        assert scope.cancelled_caught
+        assert time.monotonic() - started < 5.0
+        stream.done.set()
+
+
 # -- regressions found in review -------------------------------------------------------------
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -1004,32 +1005,38 @@ async def test_only_a_lone_devices_optimizer_steps_leave_its_stream_running(
     assert left == [("cpu#0", "train")] * expected
 
 
-@pytest.mark.parametrize("fails", [False, True])
+@pytest.mark.parametrize("fails", [None, "wait", "step"])
 async def test_a_session_waits_for_the_streams_left_running_then_closes(
-    monkeypatch: pytest.MonkeyPatch, fails: bool
+    monkeypatch: pytest.MonkeyPatch, fails: str | None
 ) -> None:
     calls: list[str] = []
     finish, close = asyncddp.StepScheduler._finish_stream_work, asyncddp.StepScheduler.aclose
 
-    async def _finish_stream_work(self: asyncddp.StepScheduler, **details: Any) -> None:
+    async def finish_stream_work(self: asyncddp.StepScheduler, **details: Any) -> None:
         calls.append("finish")
         await finish(self, **details)
-        if fails:
+        if fails == "wait":
             raise RuntimeError("an asynchronous CUDA error, say")
 
     async def aclose(self: asyncddp.StepScheduler) -> None:
         calls.append("close")
         await close(self)
 
-    monkeypatch.setattr(asyncddp.StepScheduler, "_finish_stream_work", _finish_stream_work)
+    monkeypatch.setattr(asyncddp.StepScheduler, "_finish_stream_work", finish_stream_work)
     monkeypatch.setattr(asyncddp.StepScheduler, "aclose", aclose)
-    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), progress_bar=False)
-    if fails:  # raised, once the workers are closed
-        with pytest.raises(RuntimeError, match="asynchronous CUDA error"):
-            await trainer.fit(make_batches([8, 8]), epochs=1)
-    else:
+    step = loss_step
+    if fails == "step":
+        step = asyncddp.testing.failing_step(loss_step, device=0, at=1)
+    trainer = Trainer(make_model(), SGD, step, devices=cpu_devices(1), progress_bar=False)
+    expected: Any = contextlib.nullcontext()  # raised, once the workers are closed:
+    if fails == "wait":
+        expected = pytest.raises(RuntimeError, match="an asynchronous CUDA error")
+    elif fails == "step":
+        expected = pytest.raises(WorkerFailedError, match="injected failure")
+    with expected:
         await trainer.fit(make_batches([8, 8]), epochs=1)
-    assert calls == ["finish", "close"]
+    # A failing session skips the wait: closing bounds it (drain_timeout).
+    assert calls == (["close"] if fails == "step" else ["finish", "close"])
     assert asyncddp.testing.asyncddp_threads() == []
 
 
