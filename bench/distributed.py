@@ -2,6 +2,7 @@
 
 Run:  python bench/distributed.py            (a few minutes on 2 cores)
       python bench/distributed.py --quick    (a smoke run)
+      python bench/distributed.py --phases   (asyncddp's step on the MLP, phase by phase)
 
 Both contenders run 2 processes on localhost over gloo, one CPU device each, half the CPU
 threads each, the same model (throughput.py's MLP 512-1024-10 and convnet) and the same global
@@ -23,7 +24,12 @@ of several rounds, the contenders interleaved. Target: asyncddp at least as fast
 Beside them, rank 0's CPU time a step (``time.process_time``, every thread of its process: the
 step's own work, the threads' hand-offs, gloo's threads) and, for asyncddp, how much of it ran on
 the event loop's thread (``time.thread_time``): with one core per process, CPU a step more than
-DDP's is wall time a step more.
+DDP's is wall time a step more. The CPU a step splits by thread: the thread that trains, gloo's
+threads, the event loop's, the rest (``throughput.cpu_by_thread``).
+
+``--phases`` times the phases of asyncddp's step on rank 0's worker (the forward and backward,
+the exchange, the optimizer phase with its backup), on the wall clock and on the thread's CPU
+clock, then gloo's all-reduce of as many floats as the gradients, alone.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from throughput import (
     BATCH,
     SGD,
     WORKLOADS,
+    cpu_by_thread,
+    cpu_spent,
     ddp_gloo,
     make_batches,
     ratio_line,
@@ -53,7 +61,14 @@ import asyncddp.distributed
 
 
 def _asyncddp_rank(
-    rank: int, port: int, threads: int, workload: str, steps: int, atomic: bool, results: Any
+    rank: int,
+    port: int,
+    threads: int,
+    workload: str,
+    steps: int,
+    atomic: bool,
+    results: Any,
+    destroy: bool = True,
 ) -> None:
     torch.set_num_threads(threads)
     os.environ.update(
@@ -68,50 +83,120 @@ def _asyncddp_rank(
             (x[part::2], y[part::2]) for x, y in make_batches(shape, steps) for part in range(2)
         ]
 
-        async def run() -> tuple[float, float, float]:
+        async def run() -> tuple[float, dict[str, float]]:
             torch.manual_seed(0)
             trainer = asyncddp.Trainer(
                 make(), SGD, step, devices="cpu", progress_bar=False, atomic_steps=atomic
             )
-            marks: list[tuple[float, float]] = []  # CPU clocks as each epoch ends
+            marks: list[dict[str, float]] = []  # CPU clocks as each epoch ends
             events = trainer.events()
 
             async def mark_epochs() -> None:
                 async for event in events:
                     if isinstance(event, asyncddp.EpochEnded):
-                        marks.append((time.process_time(), time.thread_time()))
+                        marks.append(cpu_by_thread(main_runs_steps=False))
 
             async with anyio.create_task_group() as group:
                 group.start_soon(mark_epochs)
                 # The first epoch is the warm-up: the fit's threads start with it.
                 result = await trainer.fit(halves, epochs=2)
-            (cpu0, loop0), (cpu1, loop1) = marks
+            spent = cpu_spent(*marks)
             seconds = result.history[-1].seconds
-            return (
-                steps * BATCH / seconds,
-                1e3 * (cpu1 - cpu0) / steps,
-                1e3 * (loop1 - loop0) / steps,
-            )
+            return steps * BATCH / seconds, {k: 1e3 * v / steps for k, v in spent.items()}
 
         figures = asyncio.run(run())
         if rank == 0:
             results.put(figures)
     finally:
+        if destroy:
+            asyncddp.distributed.destroy()
+
+
+#: What ``--phases`` times on rank 0's worker: (where it is, its name there, its label).
+PHASES = (
+    ("asyncddp._jobs.Jobs", "distributed_step", "the step's job"),
+    ("asyncddp._jobs.Jobs", "train", "  forward and backward"),
+    ("asyncddp._comm.Comm", "_all_reduce", "  exchange (the all-reduces)"),
+    ("asyncddp._jobs.Jobs", "apply", "  optimizer phase"),
+    ("asyncddp._sync.StepBackup", "capture", "    backup (atomic_steps)"),
+    ("torch.optim.SGD", "step", "    SGD's step"),
+)
+
+
+def _phases_rank(
+    rank: int, port: int, threads: int, workload: str, steps: int, results: Any
+) -> None:
+    """asyncddp's rank with each phase of its step timed on both clocks, the wall's and the
+    thread's CPU (``--phases``); then gloo's all-reduce of as many floats as the gradients,
+    alone."""
+    import importlib
+
+    import torch.distributed as dist
+
+    spans: dict[str, list[tuple[float, float]]] = {label: [] for _, _, label in PHASES}
+    for where, name, label in PHASES:
+        module, _, owner_name = where.rpartition(".")
+        owner = getattr(importlib.import_module(module), owner_name)
+        original = getattr(owner, name)
+
+        def timed(*args: Any, _fn: Any = original, _label: str = label, **kwargs: Any) -> Any:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                spans[_label].append((time.perf_counter() - wall, time.thread_time() - cpu))
+
+        setattr(owner, name, timed)
+
+    class Collect:
+        def put(self, figures: Any) -> None:
+            for label in spans:  # the second epoch's steps: the last ones
+                spans[label] = spans[label][-steps:]
+
+    _asyncddp_rank(rank, port, threads, workload, steps, True, Collect(), destroy=False)
+    try:
+        numel = sum(p.numel() for p in WORKLOADS[workload][0]().parameters())
+        gradients, alone = torch.zeros(numel), []
+        for _ in range(steps):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(gradients)
+            alone.append(time.perf_counter() - start)
+    finally:
         asyncddp.distributed.destroy()
+    if rank == 0:
+        rows = {
+            label: tuple(1e3 * statistics.median(column) for column in zip(*values, strict=True))
+            for label, values in spans.items()
+            if values
+        }
+        results.put((rows, 1e3 * statistics.median(alone), numel))
+
+
+def phases(workload: str, steps: int, threads: int) -> None:
+    rows, alone, numel = run_two_ranks(
+        _phases_rank, max(1, threads // 2), workload, steps, name="asyncddp"
+    )
+    print(f"\n{workload}: rank 0's worker, median ms a call over the second epoch's {steps} steps")
+    print(f"  {'':<34} {'wall':>6} {'CPU':>6}")
+    for label, (wall, cpu) in rows.items():
+        print(f"  {label:<34} {wall:6.2f} {cpu:6.2f}")
+    print(f"  gloo's all-reduce of {numel} floats alone, between the 2 processes: {alone:.2f} ms")
 
 
 def asyncddp_2proc(
     workload: str, steps: int, threads: int, atomic: bool = True
-) -> tuple[float, float, float]:
-    """Samples per second, and rank 0's CPU time a step in ms: its whole process's, and its
-    event loop thread's."""
-    samples_per_second, cpu, loop = run_two_ranks(
+) -> tuple[float, dict[str, float]]:
+    """Samples per second, and rank 0's CPU time a step in ms by kind of thread (see
+    ``throughput.cpu_by_thread``)."""
+    samples_per_second, cpu = run_two_ranks(
         _asyncddp_rank, max(1, threads // 2), workload, steps, atomic, name="asyncddp"
     )
-    return float(samples_per_second), float(cpu), float(loop)
+    return float(samples_per_second), cpu
 
 
 NO_BACKUP = "asyncddp-2proc atomic_steps=False"
+CPU_KINDS = ("all", "step", "gloo", "loop", "other")
 HANDED_OFF = "ddp-gloo-2 handed off"
 
 
@@ -120,9 +205,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument(
+        "--phases", action="store_true", help="time the phases of asyncddp's step on the MLP"
+    )
     args = parser.parse_args()
     if args.quick:
         args.steps, args.rounds = 8, 1
+    if args.phases:  # 300 steps unless --steps says more (or --quick less)
+        steps = args.steps if args.quick else max(args.steps, 300)
+        phases("mlp 512-1024-10", steps, torch.get_num_threads())
+        return
     threads = torch.get_num_threads()
     print(
         f"samples/s over 2 processes x 1 CPU device (gloo), global batch {BATCH}, "
@@ -130,7 +222,7 @@ def main() -> None:
         f"{args.steps} steps (torch {torch.__version__}, {os.cpu_count()} CPUs)"
     )
     for name, (_, shape) in WORKLOADS.items():
-        figures: dict[str, list[tuple[float, ...]]] = {
+        figures: dict[str, list[tuple[float, dict[str, float]]]] = {
             "ddp-gloo-2": [],
             HANDED_OFF: [],
             "asyncddp-2proc": [],
@@ -141,16 +233,25 @@ def main() -> None:
             figures[HANDED_OFF].append(ddp_gloo(name, shape, args.steps, threads, handoff=True))
             figures["asyncddp-2proc"].append(asyncddp_2proc(name, args.steps, threads))
             figures[NO_BACKUP].append(asyncddp_2proc(name, args.steps, threads, atomic=False))
-        median = {
-            key: [statistics.median(column) for column in zip(*rows, strict=True)]
+        median = {  # samples/s, then CPU ms a step by kind of thread
+            key: (
+                statistics.median(rate for rate, _ in rows),
+                {k: statistics.median(cpu.get(k, 0.0) for _, cpu in rows) for k in CPU_KINDS},
+            )
             for key, rows in figures.items()
         }
         print(f"\n{name}")
-        print(f"  {'':<33} {'samples/s':>9} {'ms/step':>8} {'CPU ms/step':>12} {'of it, loop':>12}")
-        for key, (value, cpu, *loop) in median.items():
-            looped = f"{loop[0]:>12.2f}" if loop else f"{'':>12}"
-            print(f"  {key:<33} {value:>9.0f} {1e3 * BATCH / value:>8.2f} {cpu:>12.2f} {looped}")
-        ours, ddp = median["asyncddp-2proc"], median["ddp-gloo-2"]
+        print(
+            f"  {'':<33} {'samples/s':>9} {'ms/step':>8} {'CPU ms/step':>12}"
+            "  of it: step  gloo  loop  other"
+        )
+        for key, (value, cpu) in median.items():
+            loop = "     " if key == "ddp-gloo-2" else f"{cpu['loop']:5.2f}"
+            print(
+                f"  {key:<33} {value:>9.0f} {1e3 * BATCH / value:>8.2f} {cpu['all']:>12.2f}"
+                f"  {cpu['step']:>10.2f} {cpu['gloo']:5.2f} {loop} {cpu['other']:6.2f}"
+            )
+        ours, ddp = median["asyncddp-2proc"][1], median["ddp-gloo-2"][1]
         rates = {key: [row[0] for row in rows] for key, rows in figures.items()}
         for top, note in (
             ("asyncddp-2proc", "(target >= 1.0x)"),
@@ -159,7 +260,11 @@ def main() -> None:
         ):
             line = ratio_line(top, "ddp-gloo-2", rates[top], rates["ddp-gloo-2"], False)
             print(f"  {line}  {note}")
-        print(f"  CPU a step, asyncddp over DDP: {ours[1] - ddp[1]:+.2f} ms (rank 0's process)")
+        print(
+            f"  CPU a step, asyncddp over DDP: {ours['all'] - ddp['all']:+.2f} ms (rank 0's "
+            f"process; the thread that trains {ours['step'] - ddp['step']:+.2f} ms, gloo's "
+            f"{ours['gloo'] - ddp['gloo']:+.2f} ms, the event loop's {ours['loop']:+.2f} ms)"
+        )
 
 
 if __name__ == "__main__":

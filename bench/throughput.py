@@ -78,6 +78,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -412,9 +413,52 @@ def _ddp_rank(
         batches = [(x[rank::2], y[rank::2]) for x, y in make_batches(shape, steps)]
         seconds, cpu = asyncio.run(_timed_pass(model, optimizer, batches, handoff, dist.barrier))
         if rank == 0:
-            results.put((len(batches) * BATCH / seconds, 1e3 * cpu / len(batches)))
+            per_step = {kind: 1e3 * value / len(batches) for kind, value in cpu.items()}
+            results.put((len(batches) * BATCH / seconds, per_step))
     finally:
         dist.destroy_process_group()
+
+
+def cpu_by_thread(main_runs_steps: bool) -> dict[str, float]:
+    """This process's CPU seconds so far, ``"all"`` (every thread's, ended ones included), and
+    by what its live threads do: ``"step"``, the thread that trains (asyncddp's worker, the
+    hand-off's worker, or the main thread where ``main_runs_steps``), and ``"loop"``, the event
+    loop's (the main thread otherwise), each from its own CPU clock; ``"gloo"``, gloo's threads,
+    from ``/proc`` (Linux; in 10 ms ticks). See :func:`cpu_spent`."""
+    kinds = {"all": time.process_time(), "step": 0.0, "loop": 0.0, "gloo": 0.0}
+    for thread in threading.enumerate():
+        if thread.name.startswith(("asyncddp-worker", "handoff-worker")):
+            kind = "step"
+        elif thread is threading.main_thread():
+            kind = "step" if main_runs_steps else "loop"
+        else:
+            continue
+        if thread.ident is not None and hasattr(time, "pthread_getcpuclockid"):
+            kinds[kind] += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    tasks = Path("/proc/self/task")
+    if tasks.is_dir():
+        tick = os.sysconf("SC_CLK_TCK")
+        for task in tasks.iterdir():
+            try:
+                if "gloo" not in (task / "comm").read_text():
+                    continue
+                stat = (task / "stat").read_text()
+            except OSError:
+                continue  # ended meanwhile
+            fields = stat[stat.rindex(")") + 2 :].split()
+            kinds["gloo"] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return kinds
+
+
+def cpu_spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds by kind between two :func:`cpu_by_thread` calls, and ``"other"``: the rest
+    of ``"all"`` (a loader thread, threads that started or ended in between)."""
+    spent = {
+        kind: after.get(kind, 0.0) - before.get(kind, 0.0) for kind in ("step", "gloo", "loop")
+    }
+    spent["all"] = after["all"] - before["all"]
+    spent["other"] = spent["all"] - sum(spent[kind] for kind in ("step", "gloo", "loop"))
+    return spent
 
 
 async def _timed_pass(
@@ -424,9 +468,10 @@ async def _timed_pass(
     handoff: bool,
     barrier: Callable[[], Any],
     ahead: bool = False,
-) -> tuple[float, float]:
+) -> tuple[float, dict[str, float]]:
     """One untimed pass over ``batches`` (the warm-up), then one timed between ``barrier()``
-    calls (the ranks', if any): seconds, and this process's CPU seconds (every thread's). With ``handoff`` each step
+    calls (the ranks', if any): seconds, and this process's CPU seconds by kind of thread
+    (:func:`cpu_by_thread`; ``"all"``: every thread's). With ``handoff`` each step
     is handed from the event loop to a worker thread (the same one both times) and awaited;
     without, the loop trains in the event loop's thread, blocking it, as a plain script does."""
     worker = HandOff() if handoff else None
@@ -444,11 +489,11 @@ async def _timed_pass(
     try:
         await run()
         barrier()
-        start, cpu = time.perf_counter(), time.process_time()
+        start, cpu = time.perf_counter(), cpu_by_thread(not handoff)
         await run()
-        cpu = time.process_time() - cpu  # before the barrier: its wait is not the step's
+        spent = cpu_spent(cpu, cpu_by_thread(not handoff))  # before the barrier: not the step's
         barrier()
-        return time.perf_counter() - start, cpu
+        return time.perf_counter() - start, spent
     finally:
         if worker is not None:
             worker.close()
@@ -456,26 +501,20 @@ async def _timed_pass(
 
 def ddp_gloo(
     workload: str, shape: tuple[int, ...], steps: int, threads: int, handoff: bool = False
-) -> tuple[float, float]:
-    """DDP's samples per second, and rank 0's CPU time a step in ms (every thread of its
-    process); with ``handoff``, each rank's steps run on a worker thread, handed over from an
-    event loop (:class:`HandOff`). A run whose gloo rank aborts (seen once here: "terminate
-    called without an active exception" at shutdown) is run again, up to three times."""
+) -> tuple[float, dict[str, float]]:
+    """DDP's samples per second, and rank 0's CPU time a step in ms by kind of thread
+    (:func:`cpu_by_thread`; ``"all"``: every thread of its process); with ``handoff``, each
+    rank's steps run on a worker thread, handed over from an event loop (:class:`HandOff`). A
+    run whose gloo rank aborts (seen once here: "terminate called without an active
+    exception" at shutdown) is run again, up to three times."""
     for attempt in range(3):
         try:
-            return _ddp_gloo_once(workload, shape, steps, threads, handoff)
+            return run_two_ranks(
+                _ddp_rank, max(1, threads // 2), shape, workload, steps, handoff, name="DDP"
+            )
         except RuntimeError as error:
             print(f"  (ddp-gloo-2 run {attempt + 1} failed: {error}; running it again)")
     raise RuntimeError("ddp-gloo-2 failed three times")
-
-
-def _ddp_gloo_once(
-    workload: str, shape: tuple[int, ...], steps: int, threads: int, handoff: bool
-) -> tuple[float, float]:
-    samples_per_second, cpu = run_two_ranks(
-        _ddp_rank, max(1, threads // 2), shape, workload, steps, handoff, name="DDP"
-    )
-    return float(samples_per_second), float(cpu)
 
 
 def run_two_ranks(target: Callable[..., None], *args: Any, name: str) -> Any:
