@@ -232,7 +232,9 @@ class WorkerTimeoutError(WorkerFailedError):
 class NonFiniteLossError(WorkerFailedError):
     """A device's loss was NaN or infinite, with ``Trainer(check_finite=True)``.
 
-    Raised before that device's backward pass; the step changed no parameter on any replica.
+    Raised before that device's backward pass (on a lone GPU, once the backward is queued:
+    see the docs' concepts, "Workers"), and always before the optimizer step: the step changed
+    no parameter on any replica.
 
     Attributes:
         loss: The loss value the device computed.

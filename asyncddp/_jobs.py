@@ -286,21 +286,25 @@ class Jobs:
             # gradient, and its loss (a mean over nothing, often NaN) counts for nothing.
             return Sums(0, 0.0, dict.fromkeys(metrics, 0.0), counted=True)
         on_host = None
-        if self.check_finite:
+        if early_read and ctx.stream is not None:
+            on_host = _OnHost.behind_forward(ctx, loss, metrics)
+        if on_host is None and self.check_finite:
             # Host-device sync point before backward: a non-finite loss adds no gradient.
             value = float(loss.detach())
             if not math.isfinite(value):
                 raise NonFiniteLoss(value)
-        elif early_read and ctx.stream is not None:
-            on_host = _OnHost.behind_forward(ctx, loss, metrics)
         weight = work.weight
         if counted is not None and work.per_item is not None:
             weight = work.per_item * counted
         (loss * weight if weight != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
         if on_host is not None:
             # Host-device sync point, once the backward is queued, waiting for the forward
-            # only: the GPU goes on with the backward while the job goes on.
+            # only: the GPU goes on with the backward while the job goes on. A non-finite
+            # loss raises before the optimizer step, and the step's gradients are dropped
+            # with the rest of it (the trainer undoes the failed step).
             value, metrics = on_host.read()
+            if self.check_finite and not math.isfinite(value):
+                raise NonFiniteLoss(value)
         elif not self.check_finite:
             value = float(loss.detach())
         if replica.params and not any(replica.used) and loss.grad_fn is not None:

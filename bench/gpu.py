@@ -29,8 +29,8 @@ Run:  python bench/gpu.py [--trace DIR]   (on a machine with a CUDA GPU; about a
    when its last step reports, before that step's GPU work does (one step in 50 or 200);
    ``noatomic`` is asyncddp without its step backup (``atomic_steps=False``: no copy of the
    parameters and optimizer state on the GPU before each step, which a plain loop does not
-   keep either), ``finite`` with ``check_finite=True``, which reads the loss before the
-   backward is queued.
+   keep either), ``finite`` with ``check_finite=True`` (the loss checked once the
+   backward is queued, before the optimizer step).
 3. Event-loop lag: a 1 ms ticker on the event loop beside 2 epochs of the wide MLP on the GPU,
    with ``Trainer`` and with the plain loop called from a coroutine (bench/loop_lag.py's measure).
 4. Scaling: the MLP's samples per second on every visible GPU against one.

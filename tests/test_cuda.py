@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import asyncddp
 import asyncddp._jobs
 from asyncddp import StepEnded, Trainer, WorkerFailedError
 from asyncddp._data import move_to
@@ -281,6 +282,28 @@ async def test_a_step_on_batches_already_on_the_gpu_waits_for_its_kernels() -> N
     _, seen = await running_when_reported(trainer, on_gpu, 2)
     assert [running for _, running in seen] == [False] * 2 * len(batches)
     assert_close(on_cpu(trainer.model), expected, 1e-5)
+
+
+async def test_a_non_finite_loss_on_a_gpu_raises_before_its_step_is_taken() -> None:
+    # On a lone GPU the loss is checked once the backward is queued (read behind the
+    # forward): the optimizer step must not be taken, and the step's gradients must go.
+    batches = make_batches([32] * 6)
+    expected = plain_loop(batches[:3], 1, GPU)
+
+    def nan_at_step_3(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> Any:
+        loss = loss_step(model, batch)
+        ctx = asyncddp.current_worker()
+        return loss * float("nan") if ctx is not None and ctx.step == 3 else loss
+
+    trainer = Trainer(
+        make_model(), SGD, nan_at_step_3, devices=GPU, check_finite=True, progress_bar=False
+    )
+    with pytest.raises(asyncddp.NonFiniteLossError, match="cuda:0") as raised:
+        await trainer.fit(batches, epochs=1)
+    assert raised.value.step == 3
+    assert trainer.global_step == 3
+    assert_close(on_cpu(trainer.model), expected, 1e-5)
+    assert all(p.grad is None or not p.grad.isnan().any() for p in trainer.model.parameters())
 
 
 async def test_a_dataloader_with_pinned_memory_feeds_a_gpu_exactly(
