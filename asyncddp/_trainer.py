@@ -602,7 +602,8 @@ class Trainer(Resumable):
 
 
 def _rank_devices(devices: DeviceSpec) -> DeviceSpec:
-    """``"auto"`` in a process group with GPUs: this process's GPU, ``cuda:LOCAL_RANK``."""
+    """``"auto"`` in a process group with GPUs: this process's GPU, ``cuda:LOCAL_RANK`` (modulo
+    the visible GPUs)."""
     if isinstance(devices, str) and devices == "auto" and distributed.is_initialized():
         count = _devices._cuda_device_count()  # looked up here, so that tests can fake GPUs
         if count:

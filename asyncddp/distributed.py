@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -82,8 +84,8 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
             ``cuda:LOCAL_RANK``, or, where ``CUDA_VISIBLE_DEVICES`` shows each process fewer
             GPUs than its machine has processes (a launcher that gives each its own, as
             SLURM's ``--gpus-per-task``), ``LOCAL_RANK`` modulo the visible count: on one
-            machine NCCL is then taken only when asked for, as asyncddp cannot tell whether
-            the processes see the same GPUs.
+            machine NCCL is then taken only when asked for. With NCCL the processes compare
+            their GPUs before any collective, and all refuse to go on if two share one.
         timeout: Seconds a collective may wait for the other ranks before it fails (torch's
             default when ``None``: 10 minutes for NCCL, 30 for gloo). Failures of a rank are
             reported much sooner: see the module's description.
@@ -91,8 +93,8 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
     Raises:
         ConfigurationError: the environment variables are missing (not launched by
             ``torchrun``), ``backend`` is unknown, or NCCL is asked for and this process has
-            no GPU of its own (fewer GPUs than processes on its machine, and no
-            ``CUDA_VISIBLE_DEVICES``).
+            no GPU of its own (fewer GPUs than processes on its machine and no
+            ``CUDA_VISIBLE_DEVICES``, or another process has the same GPU).
     """
     if dist.is_initialized():
         return _current()
@@ -103,6 +105,7 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
             "not set. Launch with `torchrun --nproc-per-node 2 your_script.py`, or set RANK, "
             "WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself"
         )
+    global _joins
     backend = _backend(backend)
     if backend == "nccl":
         torch.cuda.set_device(_local_gpu())
@@ -111,7 +114,73 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
         init_method="env://",
         timeout=None if timeout is None else datetime.timedelta(seconds=timeout),
     )
+    _joins += 1
+    if backend == "nccl":
+        try:
+            # torchrun's store outlives a restart of the workers: keys of this run only.
+            run = "/".join(os.environ.get(name, "") for name in _RUN)
+            _refuse_shared_gpus(
+                dist.distributed_c10d._get_default_store(),
+                dist.get_rank(),
+                dist.get_world_size(),
+                _gpu_id(_local_gpu()),
+                prefix=f"asyncddp/gpus/{run}/{_joins}/",
+            )
+        except BaseException:
+            dist.destroy_process_group()
+            raise
     return _current()
+
+
+_joins = 0  # process groups joined by this process: a fresh key prefix for each
+_RUN = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+
+
+def _gpu_id(index: int) -> str:
+    """What tells this GPU from every other: its UUID (its PCI address on this host where
+    torch gives no UUID)."""
+    properties = torch.cuda.get_device_properties(index)
+    uuid = getattr(properties, "uuid", None)
+    if uuid is not None:
+        return str(uuid)
+    bus = ":".join(
+        str(getattr(properties, name, "?"))
+        for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")
+    )
+    return f"{socket.gethostname()}/{bus}"
+
+
+def _refuse_shared_gpus(store: Any, rank: int, size: int, gpu: str, *, prefix: str) -> None:
+    """Raise :class:`ConfigurationError` on every rank if two ranks have the same GPU.
+
+    NCCL refuses them only at the first collective ("Duplicate GPU detected"), which the
+    other ranks would meet as a rank lost. This is checked through the process group's store,
+    before any NCCL communicator exists: each rank counts itself under its GPU, and once every
+    rank has, the ranks that share one say so.
+    """
+    store.add(prefix + "gpu/" + gpu, 1)
+    _store_barrier(store, prefix + "counted", size)
+    shared_here = store.add(prefix + "gpu/" + gpu, 0) > 1
+    if shared_here:
+        store.add(prefix + "sharing", 1)
+    _store_barrier(store, prefix + "checked", size)
+    sharing = store.add(prefix + "sharing", 0)
+    if sharing:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ConfigurationError(
+            f"{sharing} of the {size} processes share a GPU with another (rank {rank}: GPU "
+            f"{gpu}, {'shared' if shared_here else 'its own'}; CUDA_VISIBLE_DEVICES="
+            f"{visible!r}), and NCCL needs a GPU of its own for each process; give each "
+            "process its own GPUs, or join with asyncddp.distributed.init('gloo') on every "
+            "machine"
+        )
+
+
+def _store_barrier(store: Any, key: str, size: int) -> None:
+    """Wait until ``size`` ranks have come here (through ``store``, no collective)."""
+    if store.add(key, 1) == size:
+        store.set(key + "/all", "1")
+    store.wait([key + "/all"])
 
 
 def _local_rank() -> int:
@@ -124,8 +193,8 @@ def _gpus() -> int:
 
 
 def _local_gpu() -> int:
-    """This process's GPU: ``LOCAL_RANK`` among the visible ones (the first of its own where
-    ``CUDA_VISIBLE_DEVICES`` shows each process only its GPUs)."""
+    """This process's GPU: ``LOCAL_RANK`` among the visible ones, modulo their count (where
+    ``CUDA_VISIBLE_DEVICES`` shows each process only its own GPUs, one of those)."""
     return _local_rank() % max(_gpus(), 1)
 
 

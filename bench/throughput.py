@@ -420,44 +420,50 @@ def _ddp_rank(
 
 
 def cpu_by_thread(main_runs_steps: bool) -> dict[str, float]:
-    """This process's CPU seconds so far, ``"all"`` (every thread's, ended ones included), and
-    by what its live threads do: ``"step"``, the thread that trains (asyncddp's worker, the
-    hand-off's worker, or the main thread where ``main_runs_steps``), and ``"loop"``, the event
-    loop's (the main thread otherwise), each from its own CPU clock; ``"gloo"``, gloo's threads,
-    from ``/proc`` (Linux; in 10 ms ticks). See :func:`cpu_spent`."""
-    kinds = {"all": time.process_time(), "step": 0.0, "loop": 0.0, "gloo": 0.0}
-    for thread in threading.enumerate():
-        if thread.name.startswith(("asyncddp-worker", "handoff-worker")):
-            kind = "step"
-        elif thread is threading.main_thread():
-            kind = "step" if main_runs_steps else "loop"
-        else:
-            continue
-        if thread.ident is not None and hasattr(time, "pthread_getcpuclockid"):
-            kinds[kind] += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    """This process's CPU seconds so far: ``"all"`` (every thread's, ended ones included), and
+    each live thread's (Linux: ``/proc/self/task/*/schedstat``, in ns) under ``"kind:tid"``,
+    the kind being what it does: ``step``, the thread that trains (asyncddp's worker, the
+    hand-off's worker, or the main thread where ``main_runs_steps``); ``loop``, the event
+    loop's (the main thread otherwise); ``gloo``, gloo's threads (named ``gloo...`` or
+    ``pt_gloo...`` by torch); ``other``, the rest. See :func:`cpu_spent`."""
+    clocks = {"all": time.process_time()}
     tasks = Path("/proc/self/task")
-    if tasks.is_dir():
-        tick = os.sysconf("SC_CLK_TCK")
-        for task in tasks.iterdir():
-            try:
-                if "gloo" not in (task / "comm").read_text():
-                    continue
-                stat = (task / "stat").read_text()
-            except OSError:
-                continue  # ended meanwhile
-            fields = stat[stat.rindex(")") + 2 :].split()
-            kinds["gloo"] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-    return kinds
+    if not tasks.is_dir():
+        return clocks
+    names = {thread.native_id: thread.name for thread in threading.enumerate()}
+    main = threading.main_thread().native_id
+    for task in tasks.iterdir():
+        try:
+            comm = (task / "comm").read_text().strip()
+            nanoseconds = int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile, or no schedstat
+        tid = int(task.name)
+        name = names.get(tid, "")
+        if name.startswith(("asyncddp-worker", "handoff-worker")):
+            kind = "step"
+        elif tid == main:
+            kind = "step" if main_runs_steps else "loop"
+        elif "gloo" in comm:
+            kind = "gloo"
+        else:
+            kind = "other"
+        clocks[f"{kind}:{tid}"] = nanoseconds / 1e9
+    return clocks
+
+
+CPU_KINDS = ("all", "step", "gloo", "loop", "other")
 
 
 def cpu_spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """CPU seconds by kind between two :func:`cpu_by_thread` calls, and ``"other"``: the rest
-    of ``"all"`` (a loader thread, threads that started or ended in between)."""
-    spent = {
-        kind: after.get(kind, 0.0) - before.get(kind, 0.0) for kind in ("step", "gloo", "loop")
-    }
+    """CPU seconds between two :func:`cpu_by_thread` calls: ``"all"``, and by kind the threads
+    alive at both; what threads that started or ended in between took goes to ``"other"``."""
+    spent = dict.fromkeys(CPU_KINDS, 0.0)
     spent["all"] = after["all"] - before["all"]
-    spent["other"] = spent["all"] - sum(spent[kind] for kind in ("step", "gloo", "loop"))
+    for key, seconds in after.items():
+        if key != "all" and key in before:
+            spent[key.partition(":")[0]] += seconds - before[key]
+    spent["other"] = spent["all"] - spent["step"] - spent["gloo"] - spent["loop"]
     return spent
 
 

@@ -284,11 +284,26 @@ async def test_a_step_on_batches_already_on_the_gpu_waits_for_its_kernels() -> N
     assert_close(on_cpu(trainer.model), expected, 1e-5)
 
 
-async def test_a_non_finite_loss_on_a_gpu_raises_before_its_step_is_taken() -> None:
+async def test_a_non_finite_loss_on_a_gpu_raises_before_its_step_is_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # On a lone GPU the loss is checked once the backward is queued (read behind the
     # forward): the optimizer step must not be taken, and the step's gradients must go.
     batches = make_batches([32] * 6)
     expected = plain_loop(batches[:3], 1, GPU)
+    calls = {"apply": 0, "read": 0}
+    apply, read = asyncddp._jobs.Jobs.apply, asyncddp._jobs._OnHost.read
+
+    def counted_apply(self: Any, *args: Any) -> Any:
+        calls["apply"] += 1
+        return apply(self, *args)
+
+    def counted_read(self: Any) -> Any:
+        calls["read"] += 1
+        return read(self)
+
+    monkeypatch.setattr(asyncddp._jobs.Jobs, "apply", counted_apply)
+    monkeypatch.setattr(asyncddp._jobs._OnHost, "read", counted_read)
 
     def nan_at_step_3(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> Any:
         loss = loss_step(model, batch)
@@ -302,6 +317,9 @@ async def test_a_non_finite_loss_on_a_gpu_raises_before_its_step_is_taken() -> N
         await trainer.fit(batches, epochs=1)
     assert raised.value.step == 3
     assert trainer.global_step == 3
+    # The loss of every step was read behind the forward, and no optimizer step was taken
+    # for step 3 (with the backup, a step taken and undone would leave the same parameters).
+    assert calls == {"apply": 3, "read": 4}
     assert_close(on_cpu(trainer.model), expected, 1e-5)
     assert all(p.grad is None or not p.grad.isnan().any() for p in trainer.model.parameters())
 

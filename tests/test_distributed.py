@@ -12,12 +12,14 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.distributed import HashStore
 
 import asyncddp
 import asyncddp.distributed
@@ -710,6 +712,11 @@ def test_init_with_nccl_makes_this_processs_gpu_current(monkeypatch: pytest.Monk
     )
     monkeypatch.setattr(asyncddp.distributed, "_current", lambda: None)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    # The check that no two ranks share a GPU, alone in its group.
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", HashStore)
+    monkeypatch.setattr(asyncddp.distributed, "_gpu_id", lambda index: f"GPU-{index}")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     env = {"RANK": 11, "WORLD_SIZE": 16, "LOCAL_RANK": 3, "LOCAL_WORLD_SIZE": 8}
@@ -719,6 +726,39 @@ def test_init_with_nccl_makes_this_processs_gpu_current(monkeypatch: pytest.Monk
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     asyncddp.distributed.init()
     assert calls == [("device", 3), ("backend", "nccl"), ("device", 0), ("backend", "nccl")]
+
+
+def ranks_check_their_gpus(gpus: list[str]) -> list[BaseException | None]:
+    """Each rank's outcome of ``_refuse_shared_gpus``, the ranks as threads on one store."""
+    store = HashStore()
+    outcomes: list[BaseException | None] = [None] * len(gpus)
+
+    def rank(r: int) -> None:
+        try:
+            asyncddp.distributed._refuse_shared_gpus(store, r, len(gpus), gpus[r], prefix="t/")
+        except BaseException as error:
+            outcomes[r] = error
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(gpus))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return outcomes
+
+
+def test_ranks_that_share_a_gpu_are_refused_on_every_rank_before_nccl_meets() -> None:
+    # CUDA_VISIBLE_DEVICES="0,1" for 4 processes on a machine, asked for NCCL: ranks 0 and 2
+    # both get cuda:0. NCCL would refuse them at its first collective ("Duplicate GPU
+    # detected"), which the others would see as a rank lost: every rank says so at init.
+    assert ranks_check_their_gpus(["GPU-a", "GPU-b", "GPU-c", "GPU-d"]) == [None] * 4
+    outcomes = ranks_check_their_gpus(["GPU-a", "GPU-b", "GPU-a", "GPU-b"])
+    assert all(isinstance(o, asyncddp.ConfigurationError) for o in outcomes)
+    assert "4 of the 4 processes share a GPU" in str(outcomes[0])
+    outcomes = ranks_check_their_gpus(["GPU-a", "GPU-b", "GPU-a"])
+    assert all(isinstance(o, asyncddp.ConfigurationError) for o in outcomes)
+    assert "rank 1: GPU GPU-b, its own" in str(outcomes[1])
+    assert "rank 2: GPU GPU-a, shared" in str(outcomes[2])
 
 
 def test_a_trainer_on_the_cpu_in_an_nccl_group_says_what_to_do(
