@@ -43,6 +43,7 @@ from typing import Any
 
 import anyio
 import torch
+from phases import timing
 from throughput import (
     BATCH,
     SGD,
@@ -58,6 +59,7 @@ from throughput import (
 
 import asyncddp
 import asyncddp.distributed
+from asyncddp import _comm, _jobs, _sync
 
 
 def _asyncddp_rank(
@@ -112,41 +114,31 @@ def _asyncddp_rank(
             asyncddp.distributed.destroy()
 
 
-#: What ``--phases`` times on rank 0's worker: (where it is, its name there, its label).
-PHASES = (
-    ("asyncddp._jobs.Jobs", "distributed_step", "the step's job"),
-    ("asyncddp._jobs.Jobs", "train", "  forward and backward"),
-    ("asyncddp._comm.Comm", "_all_reduce", "  exchange (the all-reduces)"),
-    ("asyncddp._jobs.Jobs", "apply", "  optimizer phase"),
-    ("asyncddp._sync.StepBackup", "capture", "    backup (atomic_steps)"),
-    ("torch.optim.SGD", "step", "    SGD's step"),
-)
+#: What ``--phases`` times on rank 0's worker: its label, and (where it is, its name there).
+PHASES = {
+    "the step's job": (_jobs.Jobs, "distributed_step"),
+    "  forward and backward": (_jobs.Jobs, "train"),
+    "  exchange (the all-reduces)": (_comm.Comm, "_all_reduce"),
+    "  optimizer phase": (_jobs.Jobs, "apply"),
+    "    backup (atomic_steps)": (_sync.StepBackup, "capture"),
+    "    SGD's step": (torch.optim.SGD, "step"),
+}
 
 
 def _phases_rank(
     rank: int, port: int, threads: int, workload: str, steps: int, results: Any
 ) -> None:
     """asyncddp's rank with each phase of its step timed on both clocks, the wall's and the
-    thread's CPU (``--phases``); then gloo's all-reduce of as many floats as the gradients,
-    alone."""
-    import importlib
-
+    thread's CPU (``--phases``, with phases.py's timers); then gloo's all-reduce of as many
+    floats as the gradients, alone."""
     import torch.distributed as dist
 
-    spans: dict[str, list[tuple[float, float]]] = {label: [] for _, _, label in PHASES}
-    for where, name, label in PHASES:
-        module, _, owner_name = where.rpartition(".")
-        owner = getattr(importlib.import_module(module), owner_name)
-        original = getattr(owner, name)
+    spans: dict[str, list[tuple[float, float]]] = {label: [] for label in PHASES}
 
-        def timed(*args: Any, _fn: Any = original, _label: str = label, **kwargs: Any) -> Any:
-            wall, cpu = time.perf_counter(), time.thread_time()
-            try:
-                return _fn(*args, **kwargs)
-            finally:
-                spans[_label].append((time.perf_counter() - wall, time.thread_time() - cpu))
+    def record(label: str, start: float, end: float, cpu: float) -> None:
+        spans[label].append((end - start, cpu))
 
-        setattr(owner, name, timed)
+    timing(PHASES, record)  # this process ends with the run: no undo
 
     class Collect:
         def put(self, figures: Any) -> None:

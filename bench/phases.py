@@ -30,7 +30,7 @@ import asyncio
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
@@ -51,19 +51,22 @@ PIECES = {  # what is timed: (where it is, its name there)
 }
 
 
-def timing(spans: dict[str, list[tuple[str, float, float]]]) -> Callable[[], None]:
-    """Wrap every piece with a timer that records (thread, start, end); returns the undo."""
+def timing(
+    pieces: Mapping[str, tuple[Any, str]], record: Callable[[str, float, float, float], None]
+) -> Callable[[], None]:
+    """Wrap every piece, ``(where it is, its name there)``, with a timer that calls
+    ``record(piece, start, end, cpu)`` as each call returns (wall clock, and the CPU seconds of
+    the thread that made the call); returns the undo."""
     undo = []
-    for piece, (owner, name) in PIECES.items():
+    for piece, (owner, name) in pieces.items():
         original = getattr(owner, name)
 
         def timed(*args: Any, _piece: str = piece, _fn: Any = original, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 return _fn(*args, **kwargs)
             finally:
-                end = time.perf_counter()
-                spans[_piece].append((threading.current_thread().name, start, end))
+                record(_piece, start, time.perf_counter(), time.thread_time() - cpu)
 
         setattr(owner, name, timed)
         undo.append((owner, name, original))
@@ -105,7 +108,10 @@ async def measure(devices: int, steps: int, atomic: bool = True) -> dict[str, fl
             if isinstance(event, asyncddp.EpochEnded):
                 loop_cpu.append(time.thread_time())
 
-    restore = timing(spans)
+    def record(piece: str, start: float, end: float, cpu: float) -> None:
+        spans[piece].append((threading.current_thread().name, start, end))
+
+    restore = timing(PIECES, record)
     try:
         async with anyio.create_task_group() as group:
             group.start_soon(mark_epochs)
