@@ -155,10 +155,11 @@ class Trainer(Resumable):
         threads_per_worker: Intra-op threads for each CPU worker; by default the process's
             ``torch.get_num_threads()`` shared out among the CPU workers.
         check_finite: Raise :class:`NonFiniteLossError`, naming the device and step, when a
-            device's loss is NaN or infinite, before its backward. On the CPU this costs
-            nothing; on a GPU the loss is then read before the backward's kernels are
-            launched, not after, and the GPU waits for those launches (measured on an H200:
-            see docs/benchmarks.md, GPU). An ``"items"`` count given as a GPU tensor is read
+            device's loss is NaN or infinite, before the optimizer step. On the CPU this costs
+            nothing. On a lone GPU the loss, read behind the forward, is checked once the
+            backward is queued; on several GPUs it is read before the backward's kernels are
+            launched, and the GPU waits for those launches (measured on an H200: see
+            docs/benchmarks.md, GPU). An ``"items"`` count given as a GPU tensor is read
             before the backward too.
     """
 
@@ -604,10 +605,10 @@ class Trainer(Resumable):
 def _rank_devices(devices: DeviceSpec) -> DeviceSpec:
     """``"auto"`` in a process group with GPUs: this process's GPU, ``cuda:LOCAL_RANK`` (modulo
     the visible GPUs)."""
-    if isinstance(devices, str) and devices == "auto" and distributed.is_initialized():
-        count = _devices._cuda_device_count()  # looked up here, so that tests can fake GPUs
-        if count:
-            return f"cuda:{distributed._local_rank() % count}"
+    auto = isinstance(devices, str) and devices == "auto"
+    # (The GPU count is looked up in _devices, so that tests can fake GPUs.)
+    if auto and distributed.is_initialized() and _devices._cuda_device_count():
+        return f"cuda:{distributed._local_gpu()}"  # the GPU init() made current
     return devices
 
 

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _devices
 from ._exceptions import ConfigurationError
 
 __all__ = ["World", "destroy", "init", "is_initialized", "world"]
@@ -188,25 +189,22 @@ def _local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
 
 
-def _gpus() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def _local_gpu() -> int:
     """This process's GPU: ``LOCAL_RANK`` among the visible ones, modulo their count (where
     ``CUDA_VISIBLE_DEVICES`` shows each process only its own GPUs, one of those)."""
-    return _local_rank() % max(_gpus(), 1)
+    return _local_rank() % max(_devices._cuda_device_count(), 1)
 
 
 def _backend(asked: str | None) -> str:
     """The backend to join with: ``asked``, checked, or the default for this machine."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
-    gpus = _gpus()
+    gpus = _devices._cuda_device_count()
     needed = max(local_size, _local_rank() + 1)
     # CUDA_VISIBLE_DEVICES may show each process GPUs of its own (SLURM's --gpus-per-task,
     # say), or the same ones to all: this process cannot tell which, so fewer GPUs than
-    # processes is no reason to refuse NCCL then (NCCL itself refuses two ranks on one GPU).
+    # processes is no reason to refuse NCCL then (init() refuses ranks that share a GPU, once
+    # they have compared their GPUs: _refuse_shared_gpus).
     own_gpus = gpus > 0 and bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
     if asked is None:
         if gpus == 0 or not dist.is_nccl_available():

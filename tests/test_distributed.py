@@ -728,6 +728,19 @@ def test_init_with_nccl_makes_this_processs_gpu_current(monkeypatch: pytest.Monk
     assert calls == [("device", 3), ("backend", "nccl"), ("device", 0), ("backend", "nccl")]
 
 
+def test_auto_devices_in_a_group_are_the_gpu_init_made_current(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from asyncddp._trainer import _rank_devices
+
+    monkeypatch.setattr(asyncddp.distributed, "is_initialized", lambda: True)
+    torchrun_env(monkeypatch, 2, {"RANK": 3, "WORLD_SIZE": 4, "LOCAL_RANK": 3})
+    assert _rank_devices("auto") == "cuda:1" == f"cuda:{asyncddp.distributed._local_gpu()}"
+    assert _rank_devices("cpu") == "cpu"
+    torchrun_env(monkeypatch, 0, {"RANK": 3, "WORLD_SIZE": 4, "LOCAL_RANK": 3})
+    assert _rank_devices("auto") == "auto"  # no GPU: resolved as anywhere else
+
+
 def ranks_check_their_gpus(gpus: list[str]) -> list[BaseException | None]:
     """Each rank's outcome of ``_refuse_shared_gpus``, the ranks as threads on one store."""
     store = HashStore()
