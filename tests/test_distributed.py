@@ -479,25 +479,25 @@ def test_every_rank_takes_rank_0s_batchnorm_statistics(tmp_path: Path, devices: 
     assert first["validate"] == second["validate"]
 
 
-def test_ranks_with_different_device_counts_are_refused(tmp_path: Path) -> None:
-    # Their gradient buckets would differ in size and number: the all-reduces would not match.
-    reports, codes, seconds = launch("mixed-devices", tmp_path, timeout=60)
+@pytest.mark.parametrize(
+    ("scenario", "expected"),
+    [
+        # Their gradient buckets would differ in size and number: the all-reduces would not
+        # match.
+        ("mixed-devices", "devices=2"),
+        # Their replicas would drift apart, as a CPU and a GPU replica do in one process.
+        ("mixed-kinds", "rank 0 trains on cpu, rank 1 trains on cuda"),
+    ],
+)
+def test_ranks_whose_devices_differ_are_refused_on_every_rank(
+    tmp_path: Path, scenario: str, expected: str
+) -> None:
+    reports, codes, seconds = launch(scenario, tmp_path, timeout=60)
     assert codes == [0, 0]
     for report in reports:
         assert report is not None
         assert report["error"] is not None
-        assert "devices=2" in report["error"]
-    assert seconds < 30
-
-
-def test_ranks_on_the_cpu_and_on_gpus_are_refused(tmp_path: Path) -> None:
-    # Their replicas would drift apart, as a CPU and a GPU replica do in one process.
-    reports, codes, seconds = launch("mixed-kinds", tmp_path, timeout=60)
-    assert codes == [0, 0]
-    for report in reports:
-        assert report is not None
-        assert report["error"] is not None
-        assert "rank 0 trains on cpu, rank 1 trains on cuda" in report["error"]
+        assert expected in report["error"]
     assert seconds < 30
 
 
