@@ -171,12 +171,7 @@ def test_two_ranks_on_a_gpu_over_gloo_end_with_the_parameters_of_one_gpu(tmp_pat
     assert codes == [0, 0]
     params, result = gpu_reference(merged(worker.batches()))
     for report in reports:
-        assert report is not None
-        assert (report["backend"], report["devices"]) == ("gloo", ["cuda:0"])
-        assert report["global_step"] == result.global_step == 8
-        for mine, expected in zip(report["params"], params, strict=True):
-            torch.testing.assert_close(mine, expected, atol=1e-5, rtol=1e-5)
-        assert_history_like(report["history"], result)
+        assert_gpu_rank_like(report, "gloo", 8, params, result)
 
 
 @pytest.mark.cuda
@@ -186,9 +181,20 @@ def test_one_rank_on_nccl_trains_on_its_gpu_like_one_process(tmp_path: Path) -> 
     assert codes == [0]
     params, result = gpu_reference(worker.batches())
     (report,) = reports
+    assert_gpu_rank_like(report, "nccl", 14, params, result)
+
+
+def assert_gpu_rank_like(
+    report: dict[str, Any] | None,
+    backend: str,
+    steps: int,
+    params: list[torch.Tensor],
+    result: asyncddp.FitResult,
+) -> None:
+    """A rank that trained on cuda:0 over ``backend`` ended as the one-GPU reference fit."""
     assert report is not None
-    assert (report["backend"], report["devices"]) == ("nccl", ["cuda:0"])
-    assert report["global_step"] == result.global_step == 14
+    assert (report["backend"], report["devices"]) == (backend, ["cuda:0"])
+    assert report["global_step"] == result.global_step == steps
     for mine, expected in zip(report["params"], params, strict=True):
         torch.testing.assert_close(mine, expected, atol=1e-5, rtol=1e-5)
     assert_history_like(report["history"], result)
