@@ -82,6 +82,20 @@ def items_in(batch: object) -> int:
     return sizes.pop()
 
 
+def check_batch(batch: object, data: object, name: str) -> int:
+    """:func:`items_in` for a batch of ``data`` (the argument called ``name``), with a hint when
+    ``data`` is a ``Dataset``: it yields single samples, which are rarely batches."""
+    try:
+        return items_in(batch)
+    except DataError as error:
+        if not isinstance(data, torch.utils.data.Dataset):
+            raise
+        raise DataError(
+            f"{error}. {name} is a {type(data).__name__}, a Dataset, which yields single samples "
+            f"rather than batches: pass torch.utils.data.DataLoader({name}, batch_size=...)"
+        ) from None
+
+
 def split_batch(batch: Any, parts: int) -> list[Any]:
     """Split ``batch`` along dim 0 into ``parts`` shards, as even as can be.
 

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from . import _checkpoint, _comm
 from ._comm import PeerFailed, RankLost
-from ._data import items_in, pin
+from ._data import check_batch, pin
 from ._dsteps import DistributedSteps
 from ._events import EpochEnded, StepEnded, ValidationEnded
 from ._exceptions import ConfigurationError, DataError, StepOutputError, WorkerFailedError
@@ -124,7 +124,8 @@ class Epochs(DistributedSteps):
                     seen += 1
                     if seen <= skip:
                         continue
-                    items_in(batch)  # a clear error, before any work, for a batch we cannot split
+                    # A clear error, before any work, for a batch we cannot split.
+                    check_batch(batch, data, "train_data")
                     pending.append(batch)
                     per_step = 1 if self.split_batches else len(self.devices)
                     if len(pending) < per_step:
@@ -283,6 +284,7 @@ class Epochs(DistributedSteps):
         try:
             async with self._prefetcher(self._rank_data(data, 0), "valid_data") as batches:
                 async for batch in batches:
+                    check_batch(batch, data, "valid_data")  # before any work of its step
                     pending.append(batch)
                     if len(pending) == (1 if self.split_batches else len(self.devices)):
                         await self._validate_step(jobs, pending, totals, epoch)
@@ -319,8 +321,6 @@ class Epochs(DistributedSteps):
     async def _validate_step(
         self, jobs: Jobs, batches: list[Any], totals: Sums, epoch: int | None
     ) -> None:
-        for batch in batches:
-            items_in(batch)
         shards = self._shards(batches)
         counts = [shard_items(shard) for shard in shards]
         try:

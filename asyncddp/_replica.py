@@ -116,13 +116,31 @@ def build_replica(
 ) -> Replica:
     """Copy ``source`` onto ``device`` (or use it as it is) and give it an optimizer."""
     model = source if use_source else copy.deepcopy(source).to(device.torch_device)
-    opt = optimizer(p for p in model.parameters() if p.requires_grad)
+    try:
+        opt = optimizer(p for p in model.parameters() if p.requires_grad)
+    except Exception as error:
+        raise ConfigurationError(
+            f"the optimizer factory raised {type(error).__name__}: {error}. Trainer's second "
+            "argument makes one optimizer per replica from its parameters, such as "
+            "functools.partial(torch.optim.SGD, lr=0.1); the step function comes third: "
+            "Trainer(model, optimizer, step)"
+        ) from error
     if not isinstance(opt, torch.optim.Optimizer):
         raise ConfigurationError(
             f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer; "
             "give a factory such as functools.partial(torch.optim.SGD, lr=0.1)"
         )
-    return Replica(device, model, opt, scheduler(opt) if scheduler is not None else None)
+    if scheduler is None:
+        return Replica(device, model, opt, None)
+    try:
+        made = scheduler(opt)
+    except Exception as error:
+        raise ConfigurationError(
+            f"the lr_scheduler factory raised {type(error).__name__}: {error}. lr_scheduler "
+            "makes one scheduler per replica from its optimizer, such as "
+            "functools.partial(torch.optim.lr_scheduler.StepLR, step_size=10)"
+        ) from error
+    return Replica(device, model, opt, made)
 
 
 def loss_and_metrics(
@@ -138,6 +156,12 @@ def loss_and_metrics(
         metrics = {str(k): v for k, v in output.items() if k not in ("loss", "items")}
         if "items" in output:
             items = _item_count(output["items"])
+    elif isinstance(output, Mapping):
+        raise StepOutputError(
+            f"the step returned a dict without a 'loss' entry (its keys: "
+            f"{', '.join(map(repr, output)) or 'none'}); put the loss to train on under 'loss' "
+            "(a scalar tensor, the mean over the shard's items), beside any further metrics"
+        )
     else:
         raise StepOutputError(
             f"the step returned {_kind(output)}; return the loss (a scalar tensor, the mean over "

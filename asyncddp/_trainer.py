@@ -203,8 +203,14 @@ class Trainer(Resumable):
             raise ConfigurationError("step must be a function step(model, batch) -> loss")
         _check(accumulate_grad_batches >= 1, "accumulate_grad_batches must be >= 1")
         _check(gradient_clip_val is None or gradient_clip_val > 0, "gradient_clip_val must be > 0")
-        _check(lr_scheduler_interval in ("epoch", "step"), "lr_scheduler_interval: epoch or step")
-        _check(on_failure in ("raise", "retry", "drop"), "on_failure: 'raise', 'retry' or 'drop'")
+        _check(
+            lr_scheduler_interval in ("epoch", "step"),
+            f"lr_scheduler_interval must be 'epoch' or 'step', not {lr_scheduler_interval!r}",
+        )
+        _check(
+            on_failure in ("raise", "retry", "drop"),
+            f"on_failure must be 'raise', 'retry' or 'drop', not {on_failure!r}",
+        )
         _check(max_retries >= 0, "max_retries must be >= 0")
         _check(prefetch >= 1, "prefetch must be >= 1")
         _check(step_timeout is None or step_timeout > 0, "step_timeout must be > 0 or None")
@@ -378,9 +384,9 @@ class Trainer(Resumable):
             if resume is not None:
                 self._adopt(await self._resume_state(resume))
             passes = epochs - self.epoch - (1 if self._epoch_trained else 0)
-            _check_reiterable(train_data, "train_data", passes)
+            _check_data(train_data, "train_data", passes)
             if valid_data is not None:
-                _check_reiterable(valid_data, "valid_data", epochs - self.epoch)
+                _check_data(valid_data, "valid_data", epochs - self.epoch)
             await self._wait_for_checkpoint_session()  # one may have begun while joining
             async with self._session("fit"):
                 self._hub.publish(
@@ -430,6 +436,7 @@ class Trainer(Resumable):
         self._refuse_if_running()  # before the try: across ranks, no failure to announce
         try:
             await self._join()
+            _check_data(data, "valid_data", 1)
             await self._wait_for_checkpoint_session()  # one may have begun while joining
             async with self._session("validate"):
                 return await self._validate(data, epoch=None)
@@ -581,8 +588,10 @@ class Trainer(Resumable):
         try:
             result = await self._scheduler_run(build, list(range(parts)), phase="setup")
         except WorkerFailedError as error:
-            if isinstance(error.__cause__, ConfigurationError):
-                raise error.__cause__ from None  # a mistake in the arguments, not a device fault
+            cause = error.__cause__
+            if isinstance(cause, ConfigurationError):
+                # A mistake in the arguments, not a device fault; what the factory raised stays.
+                raise cause from cause.__cause__
             raise
         self._replicas = list(result.outputs)
 
@@ -621,9 +630,20 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
-def _check_reiterable(data: Iterable[Any], name: str, passes: int) -> None:
-    """Refuse, before any work, an iterator that would have to be read ``passes`` > 1 times: its
-    second epoch would find it used up."""
+def _check_data(data: Iterable[Any], name: str, passes: int) -> None:
+    """Refuse, before any work, a map-style ``Dataset`` (its items are samples, not batches: a
+    sample of features and a class label would pass for a batch of as many items as there are
+    features) and an iterator that would have to be read ``passes`` > 1 times (its second epoch
+    would find it used up)."""
+    kind: type = type(data)  # a type, not narrowed: mypy finds Iterable and Dataset at odds
+    if issubclass(kind, torch.utils.data.Dataset) and not issubclass(
+        kind, torch.utils.data.IterableDataset
+    ):
+        raise DataError(
+            f"{name} is a {type(data).__name__}, a Dataset: its items are single samples, not "
+            f"batches. Pass torch.utils.data.DataLoader({name}, batch_size=...), or "
+            f"DataLoader({name}, batch_size=None) if its items are batches already"
+        )
     if passes > 1 and isinstance(data, Iterator):
         raise DataError(
             f"{name} is an iterator ({type(data).__name__}): it can be read once, and {passes} "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -395,6 +396,32 @@ def _held_trainer(release: threading.Event) -> Trainer:
 async def test_an_optimizer_factory_that_returns_no_optimizer_is_a_clear_error() -> None:
     trainer = Trainer(MODEL(), lambda params: None, mse, devices=cpu_devices(2), progress_bar=False)
     with pytest.raises(asyncddp.ConfigurationError, match="returned NoneType"):
+        await trainer.fit(make_batches(0), epochs=1)
+
+
+@pytest.mark.anyio
+async def test_an_optimizer_factory_that_raises_is_a_mistake_in_the_arguments() -> None:
+    # A common slip: the step function and the optimizer swapped. The factory's error is kept
+    # as the cause, and the message names the argument, not a device fault.
+    trainer = Trainer(MODEL(), mse, ADAM, devices=cpu_devices(2), progress_bar=False)  # type: ignore[arg-type]
+    with pytest.raises(asyncddp.ConfigurationError) as caught:
+        await trainer.fit(make_batches(0), epochs=1)
+    assert re.search(
+        r"optimizer factory raised TypeError: .*Trainer\(model, optimizer, step\)",
+        str(caught.value),
+    )
+    assert isinstance(caught.value.__cause__, TypeError)
+
+
+@pytest.mark.anyio
+async def test_an_lr_scheduler_factory_that_raises_is_a_mistake_in_the_arguments() -> None:
+    def scheduler(optimizer: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.StepLR(optimizer)  # type: ignore[call-arg]
+
+    trainer = Trainer(
+        MODEL(), ADAM, mse, lr_scheduler=scheduler, devices=cpu_devices(2), progress_bar=False
+    )
+    with pytest.raises(asyncddp.ConfigurationError, match="lr_scheduler factory raised TypeError"):
         await trainer.fit(make_batches(0), epochs=1)
 
 

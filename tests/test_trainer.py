@@ -886,7 +886,10 @@ async def test_a_corrupt_checkpoint_raises_a_clear_error(tmp_path: Any) -> None:
             lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]).detach(),
             "does not require grad",
         ),
-        (lambda model, batch: {"accuracy": torch.tensor(1.0)}, "a dict with a 'loss' entry"),
+        (
+            lambda model, batch: {"accuracy": torch.tensor(1.0)},
+            r"a dict without a 'loss' entry \(its keys: 'accuracy'\)",
+        ),
     ],
 )
 async def test_a_step_that_returns_no_scalar_loss_is_a_clear_error(step: Any, message: str) -> None:
@@ -927,6 +930,54 @@ async def test_bad_data_is_a_clear_error(data: Any, message: str) -> None:
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
     with pytest.raises(DataError, match=message):
         await trainer.fit(data, epochs=1)
+
+
+@pytest.mark.parametrize(
+    "targets",
+    [
+        pytest.param(torch.zeros(8, dtype=torch.long), id="labels"),  # a sample passes for a batch
+        pytest.param(torch.zeros(8, 1), id="columns"),  # a sample's tensors differ in dim 0
+    ],
+)
+async def test_a_dataset_given_for_batches_is_a_clear_error(targets: torch.Tensor) -> None:
+    # A common slip: the Dataset itself instead of a DataLoader over it. Its items are single
+    # samples: features and a class label would pass for a batch of FEATURES items.
+    dataset = torch.utils.data.TensorDataset(torch.zeros(8, FEATURES), targets)
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    pattern = r"train_data is a TensorDataset.*DataLoader\(train_data, batch_size=\.\.\.\)"
+    with pytest.raises(DataError, match=pattern):
+        await trainer.fit(dataset, epochs=1)
+    with pytest.raises(DataError, match=r"valid_data is a TensorDataset.*DataLoader\(valid_data"):
+        await trainer.fit(make_batches([4]), valid_data=dataset, epochs=1)
+    with pytest.raises(DataError, match=r"valid_data is a TensorDataset.*DataLoader\(valid_data"):
+        await trainer.validate(dataset)
+    assert trainer.global_step == 0
+
+
+async def test_an_iterable_dataset_of_samples_gets_a_hint() -> None:
+    # An IterableDataset may yield batches, and is taken as it is; when its items turn out to
+    # be samples whose tensors differ in dim 0, the error says what was likely meant.
+    class Samples(torch.utils.data.IterableDataset[Any]):
+        def __iter__(self) -> Iterator[Any]:
+            for _ in range(4):
+                yield torch.zeros(FEATURES), torch.zeros(1)
+
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    with pytest.raises(DataError, match=r"dim 0.*train_data is a Samples, a Dataset"):
+        await trainer.fit(Samples(), epochs=1)
+    with pytest.raises(DataError, match=r"dim 0.*valid_data is a Samples, a Dataset"):
+        await trainer.validate(Samples())
+
+
+async def test_a_dataloader_without_batching_takes_a_datasets_items_as_batches() -> None:
+    # The way out that the Dataset error names: batch_size=None hands over each item as it is.
+    batches = make_batches([4, 4])
+    inputs, targets = (torch.stack([batch[i] for batch in batches]) for i in range(2))
+    dataset = torch.utils.data.TensorDataset(inputs, targets)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None)
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    result = await trainer.fit(loader, epochs=1)
+    assert result.history[-1].items == 8
 
 
 async def test_a_constant_loss_that_requires_grad_is_not_taken_for_another_models() -> None:
@@ -1054,6 +1105,10 @@ def test_bad_configuration_fails_at_construction() -> None:
         Trainer(model, SGD, loss_step, precision="fp8")
     with pytest.raises(ConfigurationError, match=r"must be a torch\.nn\.Module"):
         Trainer("model", SGD, loss_step)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="'raise', 'retry' or 'drop', not 'skip'"):
+        Trainer(model, SGD, loss_step, on_failure="skip")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="'epoch' or 'step', not 'batch'"):
+        Trainer(model, SGD, loss_step, lr_scheduler_interval="batch")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("epochs", [0, -1, 1.5, True])
