@@ -90,8 +90,10 @@ async def main(
             f"valid accuracy {valid.get('accuracy', float('nan')):.2%}"
         )
     final = result.history[-1].valid_metrics or {}
+    count = len(trainer.devices)
     print(
-        f"done: {len(trainer.devices)} devices ({names}), {result.items_per_second:,.0f} items/s, "
+        f"done: {count} device{'s' if count > 1 else ''} ({names}), "
+        f"{result.items_per_second:,.0f} items/s, "
         f"{seconds:.1f} s, final train loss {result.history[-1].train_loss:.4f}, "
         f"valid accuracy {final['accuracy']:.2%}"
     )

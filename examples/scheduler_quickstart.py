@@ -20,6 +20,8 @@ async def main() -> None:
     async with asyncddp.StepScheduler(devices, step_timeout=60) as scheduler:
         batch = torch.arange(10.0)
         result = await scheduler.run(square_sum, batch.tensor_split(len(devices)))
+        # Each device's output, in device order, and the progress so far: 10 items, of a
+        # total nobody told the scheduler ("?").
         print(result.outputs, result.progress)  # (30.0, 255.0) 10/? items
 
 

@@ -37,6 +37,12 @@ def test_demo_reaches_over_90_percent_on_two_cpu_workers_and_summarises() -> Non
     assert accuracy > 90.0
 
 
+def test_demo_on_one_device_says_device(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--epochs", "1", "--devices", "1"]) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary.startswith("done: 1 device (cpu#0), "), summary
+
+
 def test_help_and_version() -> None:
     completed = run("--help")
     assert completed.returncode == 0
