@@ -13,6 +13,11 @@ batch of 256 per step: 128 items per rank.
                    awaited (throughput.py's ``HandOff``): what DDP would cost an async program
                    that keeps its event loop free, the floor of a design that hands each step
                    to a thread and awaits it, as asyncddp does;
+- ddp-gloo-2 handed off + backup: the same, each step first copying the parameters and the
+                   optimizer's state (``throughput.StepCopy``), the copy asyncddp's
+                   ``atomic_steps`` keeps to undo a failed step: the floor of a design that
+                   keeps the event loop free and never leaves a step half-applied, as
+                   asyncddp's contract asks;
 - asyncddp-2proc:  ``asyncddp.distributed.init()`` and ``Trainer(devices="cpu")`` in each
                    process; the trainer gives each rank every other half-batch of one list;
                    and the same with ``atomic_steps=False`` (no copy of the parameters and
@@ -189,6 +194,7 @@ def asyncddp_2proc(
 
 NO_BACKUP = "asyncddp-2proc atomic_steps=False"
 HANDED_OFF = "ddp-gloo-2 handed off"
+BACKED_UP = "ddp-gloo-2 handed off + backup"
 
 
 def main() -> None:
@@ -216,12 +222,16 @@ def main() -> None:
         figures: dict[str, list[tuple[float, dict[str, float]]]] = {
             "ddp-gloo-2": [],
             HANDED_OFF: [],
+            BACKED_UP: [],
             "asyncddp-2proc": [],
             NO_BACKUP: [],
         }
         for _ in range(args.rounds):
             figures["ddp-gloo-2"].append(ddp_gloo(name, shape, args.steps, threads))
             figures[HANDED_OFF].append(ddp_gloo(name, shape, args.steps, threads, handoff=True))
+            figures[BACKED_UP].append(
+                ddp_gloo(name, shape, args.steps, threads, handoff=True, backup=True)
+            )
             figures["asyncddp-2proc"].append(asyncddp_2proc(name, args.steps, threads))
             figures[NO_BACKUP].append(asyncddp_2proc(name, args.steps, threads, atomic=False))
         # Samples/s, the median of the rounds; the CPU a step split by thread, of the round
@@ -250,6 +260,7 @@ def main() -> None:
             ("asyncddp-2proc", "(target >= 1.0x)"),
             (NO_BACKUP, "(no undo, as DDP)"),
             (HANDED_OFF, "(the floor of a free event loop)"),
+            (BACKED_UP, "(the floor of a free event loop and atomic steps)"),
         ):
             line = ratio_line(top, "ddp-gloo-2", rates[top], rates["ddp-gloo-2"], False)
             print(f"  {line}  {note}")

@@ -128,12 +128,40 @@ def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
 SGD = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any]) -> None:
-    """The plain PyTorch loop."""
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[Any],
+    backup: StepCopy | None = None,
+) -> None:
+    """The plain PyTorch loop; with ``backup``, each step copies the parameters and the
+    optimizer's state first, as asyncddp's ``atomic_steps`` does to undo a failed step."""
     for batch in batches:
         optimizer.zero_grad()
         step(model, batch).backward()
+        if backup is not None:
+            backup.copy(optimizer)
         optimizer.step()
+
+
+class StepCopy:
+    """A copy of an optimizer's parameters and state tensors into buffers kept between steps:
+    the memory traffic of asyncddp's step backup (``atomic_steps``), with none of its logic."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+
+    def copy(self, optimizer: torch.optim.Optimizer) -> None:
+        sources = [p.detach() for group in optimizer.param_groups for p in group["params"]]
+        sources += [
+            value
+            for state in optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        ]
+        if [b.shape for b in self._buffers] != [s.shape for s in sources]:
+            self._buffers = [torch.empty_like(s) for s in sources]
+        torch._foreach_copy_(self._buffers, sources)
 
 
 async def plain(make: Callable[[], nn.Module], batches: list[Any]) -> float:
@@ -399,6 +427,7 @@ def _ddp_rank(
     workload: str,
     steps: int,
     handoff: bool,
+    backup: bool,
     results: Any,
 ) -> None:
     import torch.distributed as dist
@@ -411,7 +440,9 @@ def _ddp_rank(
         model = DistributedDataParallel(WORKLOADS[workload][0]())
         optimizer = SGD(model.parameters())
         batches = [(x[rank::2], y[rank::2]) for x, y in make_batches(shape, steps)]
-        seconds, cpu = asyncio.run(_timed_pass(model, optimizer, batches, handoff, dist.barrier))
+        seconds, cpu = asyncio.run(
+            _timed_pass(model, optimizer, batches, handoff, dist.barrier, backup=backup)
+        )
         if rank == 0:
             per_step = {kind: 1e3 * value / len(batches) for kind, value in cpu.items()}
             results.put((len(batches) * BATCH / seconds, per_step))
@@ -474,20 +505,23 @@ async def _timed_pass(
     handoff: bool,
     barrier: Callable[[], Any],
     ahead: bool = False,
+    backup: bool = False,
 ) -> tuple[float, dict[str, float]]:
     """One untimed pass over ``batches`` (the warm-up), then one timed between ``barrier()``
     calls (the ranks', if any): seconds, and this process's CPU seconds by kind of thread
     (:func:`cpu_by_thread`; ``"all"``: every thread's). With ``handoff`` each step
     is handed from the event loop to a worker thread (the same one both times) and awaited;
-    without, the loop trains in the event loop's thread, blocking it, as a plain script does."""
+    without, the loop trains in the event loop's thread, blocking it, as a plain script does.
+    With ``backup``, each step copies the parameters and optimizer state first (:class:`StepCopy`)."""
     worker = HandOff() if handoff else None
+    copy = StepCopy() if backup else None
 
     async def run() -> None:
         if worker is None:
-            train(model, optimizer, batches)
+            train(model, optimizer, batches, copy)
             return
         await in_turn(
-            lambda batch: worker.submit(functools.partial(train, model, optimizer, [batch])),
+            lambda batch: worker.submit(functools.partial(train, model, optimizer, [batch], copy)),
             batches,
             ahead,
         )
@@ -506,17 +540,30 @@ async def _timed_pass(
 
 
 def ddp_gloo(
-    workload: str, shape: tuple[int, ...], steps: int, threads: int, handoff: bool = False
+    workload: str,
+    shape: tuple[int, ...],
+    steps: int,
+    threads: int,
+    handoff: bool = False,
+    backup: bool = False,
 ) -> tuple[float, dict[str, float]]:
     """DDP's samples per second, and rank 0's CPU time a step in ms by kind of thread
     (:func:`cpu_by_thread`; ``"all"``: every thread of its process); with ``handoff``, each
-    rank's steps run on a worker thread, handed over from an event loop (:class:`HandOff`). A
+    rank's steps run on a worker thread, handed over from an event loop (:class:`HandOff`);
+    with ``backup``, each step copies the parameters and optimizer state first. A
     run whose gloo rank aborts (seen once here: "terminate called without an active
     exception" at shutdown) is run again, up to three times."""
     for attempt in range(3):
         try:
             return run_two_ranks(
-                _ddp_rank, max(1, threads // 2), shape, workload, steps, handoff, name="DDP"
+                _ddp_rank,
+                max(1, threads // 2),
+                shape,
+                workload,
+                steps,
+                handoff,
+                backup,
+                name="DDP",
             )
         except RuntimeError as error:
             print(f"  (ddp-gloo-2 run {attempt + 1} failed: {error}; running it again)")
