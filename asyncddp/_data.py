@@ -91,8 +91,9 @@ def check_batch(batch: object, data: object, name: str) -> int:
         if not isinstance(data, torch.utils.data.Dataset):
             raise
         raise DataError(
-            f"{error}. {name} is a {type(data).__name__}, a Dataset, which yields single samples "
-            f"rather than batches: pass torch.utils.data.DataLoader({name}, batch_size=...)"
+            f"{error}. {name} is a {type(data).__name__}, a Dataset: if its items are single "
+            f"samples rather than batches, pass torch.utils.data.DataLoader({name}, "
+            "batch_size=...)"
         ) from None
 
 

@@ -281,10 +281,11 @@ class Epochs(DistributedSteps):
         for replica in self._replicas:
             replica.model.eval()
         totals, pending = Sums(), []
+        name = "data" if epoch is None else "valid_data"  # validate(data) or fit(valid_data=)
         try:
-            async with self._prefetcher(self._rank_data(data, 0), "valid_data") as batches:
+            async with self._prefetcher(self._rank_data(data, 0), name) as batches:
                 async for batch in batches:
-                    check_batch(batch, data, "valid_data")  # before any work of its step
+                    check_batch(batch, data, name)  # before any work of its step
                     pending.append(batch)
                     if len(pending) == (1 if self.split_batches else len(self.devices)):
                         await self._validate_step(jobs, pending, totals, epoch)

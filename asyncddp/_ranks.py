@@ -42,6 +42,8 @@ def rank_view(
         plain = type(data) is DataLoader and not isinstance(data.dataset, IterableDataset)
         if plain and data.batch_sampler is not None:
             return _restride(data, _StridedBatchSampler(data.batch_sampler, rank, world_size, seed))
+        if plain:  # batch_size=None: each of the dataset's items is a batch, drawn by the sampler
+            return _restride(data, _StridedBatchSampler(data.sampler, rank, world_size, seed))
     return _Strided(data, rank, world_size, seed)
 
 
@@ -69,8 +71,10 @@ def rank_items_total(data: Iterable[Any], rank: int, world_size: int) -> int | N
     return mine * size - (short if last_is_mine else 0)
 
 
-class _StridedBatchSampler(Sampler[list[int]]):
-    def __init__(self, inner: Iterable[list[int]], rank: int, world_size: int, seed: int) -> None:
+class _StridedBatchSampler(Sampler[Any]):
+    """Every ``world_size``-th of a (batch) sampler's draws, from ``rank`` on."""
+
+    def __init__(self, inner: Iterable[Any], rank: int, world_size: int, seed: int) -> None:
         self.inner = inner
         self.rank = rank
         self.world_size = world_size
@@ -81,7 +85,7 @@ class _StridedBatchSampler(Sampler[list[int]]):
             raise TypeError("the batch sampler has no length")
         return max(0, (len(self.inner) - self.rank + self.world_size - 1) // self.world_size)
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[Any]:
         return _strided(self.inner, self.rank, self.world_size, self.seed)
 
 
@@ -117,12 +121,16 @@ def _strided(data: Iterable[Any], rank: int, world_size: int, seed: int) -> Iter
             yield item
 
 
-def _restride(loader: DataLoader[Any], batch_sampler: _StridedBatchSampler) -> DataLoader[Any]:
-    """A copy of ``loader`` that loads only the batches of ``batch_sampler``."""
+def _restride(loader: DataLoader[Any], strided: _StridedBatchSampler) -> DataLoader[Any]:
+    """A copy of ``loader`` that loads only the batches ``strided`` draws: as its batch sampler,
+    or, for a loader without batching (``batch_size=None``), as its sampler."""
     workers = loader.num_workers
+    batched = loader.batch_sampler is not None
     return DataLoader(
         loader.dataset,
-        batch_sampler=batch_sampler,
+        batch_size=1 if batched else None,  # 1: DataLoader's default, taken with batch_sampler
+        batch_sampler=strided if batched else None,
+        sampler=None if batched else strided,
         num_workers=workers,
         collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory,

@@ -118,12 +118,18 @@ def build_replica(
     model = source if use_source else copy.deepcopy(source).to(device.torch_device)
     try:
         opt = optimizer(p for p in model.parameters() if p.requires_grad)
+    except RuntimeError:
+        raise  # torch's device faults (out of memory, a CUDA error) are the device's failure
     except Exception as error:
+        swapped = (
+            " (the step function comes third: Trainer(model, optimizer, step))"
+            if isinstance(error, TypeError)
+            else ""
+        )
         raise ConfigurationError(
             f"the optimizer factory raised {type(error).__name__}: {error}. Trainer's second "
             "argument makes one optimizer per replica from its parameters, such as "
-            "functools.partial(torch.optim.SGD, lr=0.1); the step function comes third: "
-            "Trainer(model, optimizer, step)"
+            f"functools.partial(torch.optim.SGD, lr=0.1){swapped}"
         ) from error
     if not isinstance(opt, torch.optim.Optimizer):
         raise ConfigurationError(
@@ -134,6 +140,8 @@ def build_replica(
         return Replica(device, model, opt, None)
     try:
         made = scheduler(opt)
+    except RuntimeError:
+        raise  # as for the optimizer: the device's failure
     except Exception as error:
         raise ConfigurationError(
             f"the lr_scheduler factory raised {type(error).__name__}: {error}. lr_scheduler "

@@ -357,9 +357,10 @@ class Trainer(Resumable):
             StepOutputError: the step returned no scalar loss.
             DataError: the data yields no batch, or a batch cannot be split, or it is an
                 iterator (a generator, say), which can be read once, and more than one epoch
-                is to run.
+                is to run, or a map-style ``Dataset`` (pass a ``DataLoader`` over it).
             CheckpointError: ``resume`` names a checkpoint that cannot be read.
-            ConfigurationError: ``epochs < 1``, or ``resume="latest"`` with none to find.
+            ConfigurationError: ``epochs < 1``, or ``resume="latest"`` with none to find, or
+                the optimizer or LR scheduler factory raised (its error is the cause).
 
         Cancellation handling:
             Cancelling the task that awaits ``fit`` stops at once: the running jobs finish
@@ -436,7 +437,7 @@ class Trainer(Resumable):
         self._refuse_if_running()  # before the try: across ranks, no failure to announce
         try:
             await self._join()
-            _check_data(data, "valid_data", 1)
+            _check_data(data, "data", 1)
             await self._wait_for_checkpoint_session()  # one may have begun while joining
             async with self._session("validate"):
                 return await self._validate(data, epoch=None)
@@ -631,14 +632,13 @@ def _describe(error: BaseException) -> str:
 
 
 def _check_data(data: Iterable[Any], name: str, passes: int) -> None:
-    """Refuse, before any work, a map-style ``Dataset`` (its items are samples, not batches: a
-    sample of features and a class label would pass for a batch of as many items as there are
-    features) and an iterator that would have to be read ``passes`` > 1 times (its second epoch
+    """Refuse, before any work, a map-style ``Dataset`` iterated through ``__getitem__`` (its
+    items are samples, not batches: a sample of features and a class label would pass for a
+    batch of as many items as there are features; one with an ``__iter__`` of its own is taken
+    as it is) and an iterator that would have to be read ``passes`` > 1 times (its second epoch
     would find it used up)."""
     kind: type = type(data)  # a type, not narrowed: mypy finds Iterable and Dataset at odds
-    if issubclass(kind, torch.utils.data.Dataset) and not issubclass(
-        kind, torch.utils.data.IterableDataset
-    ):
+    if issubclass(kind, torch.utils.data.Dataset) and getattr(kind, "__iter__", None) is None:
         raise DataError(
             f"{name} is a {type(data).__name__}, a Dataset: its items are single samples, not "
             f"batches. Pass torch.utils.data.DataLoader({name}, batch_size=...), or "

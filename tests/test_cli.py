@@ -37,7 +37,10 @@ def test_demo_reaches_over_90_percent_on_two_cpu_workers_and_summarises() -> Non
     assert accuracy > 90.0
 
 
-def test_demo_on_one_device_says_device(capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_on_one_device_says_device(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(asyncddp._devices, "_cuda_device_count", lambda: 0)  # 1: one CPU worker
     assert main(["demo", "--epochs", "1", "--devices", "1"]) == 0
     summary = capsys.readouterr().out.strip().splitlines()[-1]
     assert summary.startswith("done: 1 device (cpu#0), "), summary

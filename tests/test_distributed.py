@@ -813,6 +813,38 @@ def test_a_dataloader_is_strided_in_its_batch_sampler() -> None:
     assert len(rank_view(loader, 1, 2, seed=0)) == 2  # type: ignore[arg-type]
 
 
+def test_a_dataloader_without_batching_is_strided_in_its_sampler() -> None:
+    # batch_size=None: each of the dataset's items is a batch; the ranks load disjoint items,
+    # which together are all of them, each once (a shuffling sampler in the same order).
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from asyncddp._ranks import rank_view
+
+    loaded: list[int] = []
+
+    class Counted(TensorDataset):
+        def __getitem__(self, index: int) -> Any:
+            loaded.append(index)
+            return super().__getitem__(index)
+
+    batches = torch.arange(40, dtype=torch.float32).reshape(5, 4, 2)  # 5 batches of 4 items
+    dataset = Counted(batches, torch.zeros(5, 4))
+    for shuffle in (False, True):
+        loader = DataLoader(dataset, batch_size=None, shuffle=shuffle)
+        parts = []
+        for rank in range(2):
+            loaded.clear()
+            parts.append(list(rank_view(loader, rank, 2, seed=3, epoch=1)))
+            assert len(loaded) == len(parts[-1])  # the other rank's batches are not loaded
+        assert [len(part) for part in parts] == [3, 2]
+        firsts = [_first_column(part) for part in parts]
+        assert sorted(firsts[0] + firsts[1]) == list(range(0, 40, 2))
+        if not shuffle:
+            assert firsts[0][:4] == [0, 2, 4, 6]  # batch 0, then 2 and 4
+        # The other rank's view is drawn from the same order: the two are disjoint.
+        assert not set(firsts[0]) & set(firsts[1])
+
+
 def test_a_dataloader_subclass_keeps_what_its_iter_does() -> None:
     # Its own __iter__ (here: it scales every batch) runs; each rank keeps its batches of it.
     from torch.utils.data import DataLoader, TensorDataset

@@ -421,8 +421,25 @@ async def test_an_lr_scheduler_factory_that_raises_is_a_mistake_in_the_arguments
     trainer = Trainer(
         MODEL(), ADAM, mse, lr_scheduler=scheduler, devices=cpu_devices(2), progress_bar=False
     )
-    with pytest.raises(asyncddp.ConfigurationError, match="lr_scheduler factory raised TypeError"):
+    with pytest.raises(
+        asyncddp.ConfigurationError, match="lr_scheduler factory raised TypeError"
+    ) as caught:
         await trainer.fit(make_batches(0), epochs=1)
+    assert isinstance(caught.value.__cause__, TypeError)
+
+
+@pytest.mark.anyio
+async def test_a_device_fault_in_the_optimizer_factory_stays_a_device_fault() -> None:
+    # Some optimizers allocate on the device as they are made: running out of memory there is
+    # the device's failure, named as such, not a mistake in the arguments.
+    def factory(params: Any) -> torch.optim.Optimizer:
+        raise torch.OutOfMemoryError("out of memory making the optimizer's state")
+
+    trainer = Trainer(MODEL(), factory, mse, devices=cpu_devices(2), progress_bar=False)
+    with pytest.raises(asyncddp.WorkerFailedError, match="out of memory") as caught:
+        await trainer.fit(make_batches(0), epochs=1)
+    assert isinstance(caught.value.__cause__, torch.OutOfMemoryError)
+    assert caught.value.phase == "setup"
 
 
 @pytest.mark.anyio

@@ -949,9 +949,27 @@ async def test_a_dataset_given_for_batches_is_a_clear_error(targets: torch.Tenso
         await trainer.fit(dataset, epochs=1)
     with pytest.raises(DataError, match=r"valid_data is a TensorDataset.*DataLoader\(valid_data"):
         await trainer.fit(make_batches([4]), valid_data=dataset, epochs=1)
-    with pytest.raises(DataError, match=r"valid_data is a TensorDataset.*DataLoader\(valid_data"):
+    with pytest.raises(DataError, match=r"data is a TensorDataset.*DataLoader\(data, batch"):
         await trainer.validate(dataset)
     assert trainer.global_step == 0
+
+
+async def test_a_dataset_that_iterates_batches_itself_is_taken_as_it_is() -> None:
+    # A Dataset subclass with an __iter__ of its own (a common way to stream batches) yields
+    # what its __iter__ yields: batches, trained on as they are.
+    class Batches(torch.utils.data.Dataset[Any]):
+        def __init__(self) -> None:
+            self.batches = make_batches([4, 4])
+
+        def __getitem__(self, index: int) -> Any:
+            return self.batches[index]
+
+        def __iter__(self) -> Iterator[Any]:
+            return iter(self.batches)
+
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    result = await trainer.fit(Batches(), epochs=1)
+    assert result.history[-1].items == 8
 
 
 async def test_an_iterable_dataset_of_samples_gets_a_hint() -> None:
@@ -963,9 +981,9 @@ async def test_an_iterable_dataset_of_samples_gets_a_hint() -> None:
                 yield torch.zeros(FEATURES), torch.zeros(1)
 
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
-    with pytest.raises(DataError, match=r"dim 0.*train_data is a Samples, a Dataset"):
+    with pytest.raises(DataError, match=r"dim 0.*train_data is a Samples, a Dataset: if its"):
         await trainer.fit(Samples(), epochs=1)
-    with pytest.raises(DataError, match=r"dim 0.*valid_data is a Samples, a Dataset"):
+    with pytest.raises(DataError, match=r"dim 0.*\. data is a Samples, a Dataset: if its"):
         await trainer.validate(Samples())
 
 
