@@ -30,7 +30,7 @@ from ._exceptions import ConfigurationError, DataError, StepOutputError, WorkerF
 from ._jobs import Jobs, Sums, check_counts
 from ._loader import Prefetcher
 from ._progress import ProgressTracker
-from ._ranks import rank_items_total
+from ._ranks import in_memory, rank_items_total
 from ._steps import Window, shard_items
 
 __all__ = ["EpochRecord", "Epochs"]
@@ -75,9 +75,12 @@ class Epochs(DistributedSteps):
         raise NotImplementedError
 
     def _prefetcher(self, data: Iterable[Any], name: str) -> Prefetcher:
-        """Batches of ``data`` loaded on a thread, ahead, page-locked when going to a GPU."""
+        """Batches of ``data`` loaded on a thread, ahead, page-locked when going to a GPU. A
+        list or tuple of batches, with nothing to page-lock, is read on the event loop: there
+        is nothing to load, and a loader thread would only add a thread wake-up a step."""
         transform = pin if self.pin_memory else None
-        return Prefetcher(data, depth=self.prefetch, transform=transform, name=name)
+        inline = transform is None and in_memory(data)
+        return Prefetcher(data, depth=self.prefetch, transform=transform, name=name, inline=inline)
 
     async def _train_epoch(self, data: Iterable[Any], epochs: int) -> bool:
         """Train on the epoch's batches (or the rest of them); False when ``stop()`` came first."""

@@ -3,7 +3,9 @@
 A ``DataLoader`` may block for a long time in ``next()`` (disk, decoding, worker processes):
 on the event loop that would freeze every other task. :class:`Prefetcher` calls ``iter()`` and
 ``next()`` on a named thread (``asyncddp-loader``) and hands batches to the loop through a
-small bounded buffer, so the next batch loads while the devices compute the current one.
+small bounded buffer, so the next batch loads while the devices compute the current one. Data
+that cannot block (batches in a list) is read in place instead (``inline``): a thread would
+only add a wake-up a batch.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import collections
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -39,6 +41,9 @@ class Prefetcher:
         transform: Applied to each batch on the loader thread (for example, pinning memory).
         name: What the data is called in errors.
         close_timeout: How long closing waits for a ``next()`` call in progress.
+        inline: Iterate ``data`` on the event loop's thread, with no loader thread: for data
+            whose ``next()`` never blocks (batches in a list, in memory already), where a
+            thread would only add a wake-up a batch.
     """
 
     def __init__(
@@ -49,8 +54,11 @@ class Prefetcher:
         transform: Callable[[Any], Any] | None = None,
         name: str = "data",
         close_timeout: float = 30.0,
+        inline: bool = False,
     ) -> None:
         self._data = data
+        self._inline: Iterator[Any] | None = None
+        self._inline_wanted = inline
         self._transform = transform
         self._name = name
         self._close_timeout = close_timeout
@@ -62,6 +70,9 @@ class Prefetcher:
         self._thread = threading.Thread(target=self._main, name="asyncddp-loader", daemon=True)
 
     async def __aenter__(self) -> Prefetcher:
+        if self._inline_wanted:
+            self._inline = iter(self._data)
+            return self
         self._waker = current_waker()
         self._thread.start()
         return self
@@ -78,6 +89,12 @@ class Prefetcher:
         return self
 
     async def __anext__(self) -> Any:
+        if self._inline is not None:
+            try:
+                batch = next(self._inline)
+            except StopIteration:
+                raise StopAsyncIteration from None
+            return self._transform(batch) if self._transform is not None else batch
         waker = self._waker
         assert waker is not None, "use 'async with Prefetcher(...)'"
         while not self._buffer:

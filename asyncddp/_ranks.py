@@ -24,7 +24,15 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sa
 from ._data import items_in, items_total
 from ._exceptions import DataError
 
-__all__ = ["rank_items_total", "rank_view"]
+__all__ = ["in_memory", "rank_items_total", "rank_view"]
+
+
+def in_memory(data: Iterable[Any]) -> bool:
+    """Whether ``data`` (or the data a rank's view strides over) is a list or tuple: batches in
+    memory already, whose ``next()`` never blocks."""
+    if isinstance(data, _Strided):
+        data = data.data
+    return isinstance(data, (list, tuple))
 
 
 def rank_view(

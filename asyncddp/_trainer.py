@@ -3,7 +3,7 @@
 How one optimizer step runs (``accumulate_grad_batches`` batches, one by default)::
 
     event loop thread                                   worker threads, one per device
-    next batch from the loader thread (never blocks)
+    next batch from the loader thread (never blocks; a list's, read in place)
     split along dim 0, one shard per device
     run(train)   ─────────────────────────────────────► forward, backward(loss * weight)
                                                         grads accumulate in flat buckets
@@ -151,7 +151,8 @@ class Trainer(Resumable):
             when the output is a terminal or a notebook.
         pin_memory: Page-lock batches on the loader thread before they go to a GPU; by default
             when a device is a GPU.
-        prefetch: Batches loaded ahead of training, on the loader thread.
+        prefetch: Batches loaded ahead of training, on the loader thread (a list of batches,
+            read in place, needs none).
         threads_per_worker: Intra-op threads for each CPU worker; by default the process's
             ``torch.get_num_threads()`` shared out among the CPU workers.
         check_finite: Raise :class:`NonFiniteLossError`, naming the device and step, when a
@@ -337,12 +338,13 @@ class Trainer(Resumable):
         ``fit`` again continues where the last call stopped (in the middle of an epoch, after
         the batches already trained on) and trains until ``epochs`` are complete.
 
-        Threads: batches are loaded on a loader thread, computed on the devices' worker
-        threads; the event loop only dispatches and awaits, and stays free throughout.
+        Threads: batches are loaded on a loader thread (a list or tuple of batches, which
+        holds them already, is read in place), computed on the devices' worker threads; the
+        event loop only dispatches and awaits, and stays free throughout.
 
         Args:
-            train_data: Any iterable of batches (a ``DataLoader``, a list of tensors, ...).
-                Iterated once per epoch.
+            train_data: Any iterable of batches (a ``DataLoader``, a list of tensors, ...),
+                not a map-style ``Dataset`` (its items are samples). Iterated once per epoch.
             epochs: Epochs to have completed when ``fit`` returns.
             valid_data: Batches to validate on after every epoch.
             resume: A checkpoint to continue from, or ``"latest"`` for the newest one in

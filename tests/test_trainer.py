@@ -1140,6 +1140,88 @@ def _iter(batches: list[Any]) -> Iterator[Any]:
     yield from batches
 
 
+# -- reading the data ----------------------------------------------------------------------------
+
+
+def _threads_seen_by(step: Callable[..., Any], seen: list[set[str]]) -> Callable[..., Any]:
+    def recording(model: nn.Module, batch: Any) -> Any:
+        seen.append({thread.name for thread in threading.enumerate()})
+        return step(model, batch)
+
+    return recording
+
+
+class _Reiterable:
+    """Batches given by a generator made anew by each iter(), as a dataset object would."""
+
+    def __init__(self, batches: list[Any], on_next: Callable[[], None] = lambda: None) -> None:
+        self.batches = batches
+        self.on_next = on_next
+        self.threads: set[str] = set()
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.batches:
+            self.on_next()
+            self.threads.add(threading.current_thread().name)
+            yield batch
+
+
+async def test_batches_in_a_list_are_read_on_the_event_loop_and_others_on_a_loader_thread() -> None:
+    # A list holds its batches already: reading it cannot block, so no loader thread wakes for
+    # it each step. Any other iterable (a DataLoader, a generator) is read on a thread.
+    seen: list[set[str]] = []
+    step = _threads_seen_by(loss_step, seen)
+    trainer = Trainer(make_model(), SGD, step, devices=cpu_devices(2), progress_bar=False)
+    await trainer.fit(make_batches([4, 4, 4, 4]), epochs=1)
+    assert seen
+    assert all("asyncddp-loader" not in names for names in seen)
+    seen.clear()
+    data = _Reiterable(make_batches([4, 4, 4, 4]))
+    await trainer.fit(data, epochs=2)
+    # The loader thread reads ahead, and ends with the data: it runs beside the first steps.
+    assert "asyncddp-loader" in seen[0]
+    assert data.threads == {"asyncddp-loader"}
+
+
+async def test_data_whose_next_blocks_leaves_the_event_loop_free() -> None:
+    # Each next() waits until a task on the event loop lets it go: were the data read on the
+    # loop's thread, that task could never run (the wait would end at its timeout, and fail).
+    released = threading.Event()
+
+    def wait_for_the_loop() -> None:
+        assert released.wait(10), "the event loop did not run while the data was read"
+        released.clear()
+
+    data = _Reiterable(make_batches([4, 4, 4]), on_next=wait_for_the_loop)
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    done = False
+
+    async def release_each_batch() -> None:
+        while not done:
+            released.set()
+            await anyio.sleep(0.01)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(release_each_batch)
+        result = await trainer.fit(data, epochs=1)
+        done = True
+    assert result.history[-1].items == 12
+
+
+async def test_an_error_raised_by_the_data_says_where_it_came_from() -> None:
+    class Broken(_Reiterable):
+        def __iter__(self) -> Iterator[Any]:
+            yield self.batches[0]
+            raise KeyError("sample 7 is missing")
+
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    with pytest.raises(KeyError, match="sample 7") as caught:
+        await trainer.fit(Broken(make_batches([4, 4])), epochs=1)
+    assert "raised while iterating train_data (on the asyncddp-loader thread)" in (
+        caught.value.__notes__
+    )
+
+
 async def test_any_iterable_of_nested_batches_works() -> None:
     batches = make_batches([4, 4])
 
