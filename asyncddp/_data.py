@@ -168,6 +168,12 @@ def pin(value: Any) -> Any:
     return value
 
 
+def is_batch_list(data: object) -> bool:
+    """Whether ``data`` is a list or tuple iterated as one (a subclass may iterate otherwise,
+    lazily): batches in memory already, which can be read, and counted, without blocking."""
+    return getattr(type(data), "__iter__", None) in (list.__iter__, tuple.__iter__)
+
+
 def items_total(data: Iterable[Any]) -> int | None:
     """How many items one pass over ``data`` yields, when that can be known without iterating.
 
@@ -182,7 +188,7 @@ def items_total(data: Iterable[Any]) -> int | None:
         if getattr(data, "drop_last", False):
             size = size // batch_size * batch_size
         return size
-    if isinstance(data, (list, tuple)):
+    if is_batch_list(data):
         try:
             return sum(items_in(batch) for batch in data)
         except DataError:

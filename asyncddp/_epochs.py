@@ -314,7 +314,7 @@ class Epochs(DistributedSteps):
         items = totals.items  # the shards' sizes, or the counts the step gave ("items")
         if items == 0:
             raise DataError(
-                "valid_data yielded no items; give at least one batch"
+                f"{name} yielded no items; give at least one batch"
                 + (" (the step's 'items' were all 0)" if totals.counted else "")
             )
         metrics = {"loss": totals.loss / items, **{k: v / items for k, v in totals.metrics.items()}}

@@ -33,12 +33,14 @@ class _Failed:
 
 
 class Prefetcher:
-    """Iterates ``data`` on a thread, ``depth`` batches ahead; ``async for`` over it.
+    """Iterates ``data`` on a thread, ``depth`` batches ahead (or in place, ``inline``);
+    ``async for`` over it.
 
     Args:
         data: Any iterable of batches.
         depth: How many batches may wait, loaded, for the loop to take them.
-        transform: Applied to each batch on the loader thread (for example, pinning memory).
+        transform: Applied to each batch where it is read (the loader thread, for example
+            pinning memory; or the loop, ``inline``).
         name: What the data is called in errors.
         close_timeout: How long closing waits for a ``next()`` call in progress.
         inline: Iterate ``data`` on the event loop's thread, with no loader thread: for data
@@ -94,6 +96,9 @@ class Prefetcher:
                 batch = next(self._inline)
             except StopIteration:
                 raise StopAsyncIteration from None
+            except Exception as failure:
+                failure.add_note(f"raised while iterating {self._name}")
+                raise
             return self._transform(batch) if self._transform is not None else batch
         waker = self._waker
         assert waker is not None, "use 'async with Prefetcher(...)'"
@@ -116,6 +121,9 @@ class Prefetcher:
 
     async def aclose(self) -> None:
         """Stop loading and wait (shielded, up to ``close_timeout``) for the thread to exit."""
+        if self._inline is not None:
+            self._inline = iter(())  # closed: nothing more
+            return
         if self._thread.ident is None or self._waker is None:
             return
         self._stop.set()

@@ -15,24 +15,23 @@ it is used as it is, its ``set_epoch`` called before each epoch.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sized
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence, Sized
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
-from ._data import items_in, items_total
+from ._data import is_batch_list, items_in, items_total
 from ._exceptions import DataError
 
 __all__ = ["in_memory", "rank_items_total", "rank_view"]
 
 
 def in_memory(data: Iterable[Any]) -> bool:
-    """Whether ``data`` (or the data a rank's view strides over) is a list or tuple: batches in
-    memory already, whose ``next()`` never blocks."""
-    if isinstance(data, _Strided):
-        data = data.data
-    return isinstance(data, (list, tuple))
+    """Whether ``data`` (or the data a rank's view strides over) is a list or tuple iterated as
+    one (a subclass may iterate otherwise, lazily): batches in memory already, whose ``next()``
+    never blocks."""
+    return is_batch_list(data.data if isinstance(data, _Strided) else data)
 
 
 def rank_view(
@@ -61,9 +60,10 @@ def rank_items_total(data: Iterable[Any], rank: int, world_size: int) -> int | N
     sharded = isinstance(data, DataLoader) and isinstance(data.sampler, DistributedSampler)
     if sharded or world_size == 1:
         return items_total(data)  # a DistributedSampler's len() is this rank's (padded) part
-    if isinstance(data, (list, tuple)):
+    if is_batch_list(data):
         try:
-            return sum(items_in(batch) for batch in data[rank::world_size])
+            own = cast("Sequence[Any]", data)[rank::world_size]
+            return sum(items_in(batch) for batch in own)
         except DataError:
             return None
     total = items_total(data)

@@ -106,6 +106,14 @@ def has_sparse_gradients(model: nn.Module) -> bool:
     )
 
 
+#: What a factory may raise that is its device's failure, not a mistake in the arguments
+#: (``torch.AcceleratorError``, a CUDA error, came with torch 2.8).
+DEVICE_FAULTS: tuple[type[BaseException], ...] = (
+    torch.OutOfMemoryError,
+    *([torch.AcceleratorError] if hasattr(torch, "AcceleratorError") else []),
+)
+
+
 def build_replica(
     source: nn.Module,
     device: Device,
@@ -118,8 +126,8 @@ def build_replica(
     model = source if use_source else copy.deepcopy(source).to(device.torch_device)
     try:
         opt = optimizer(p for p in model.parameters() if p.requires_grad)
-    except RuntimeError:
-        raise  # torch's device faults (out of memory, a CUDA error) are the device's failure
+    except DEVICE_FAULTS:
+        raise  # out of memory, a CUDA error: the device's failure, not the arguments'
     except Exception as error:
         swapped = (
             " (the step function comes third: Trainer(model, optimizer, step))"
@@ -140,7 +148,7 @@ def build_replica(
         return Replica(device, model, opt, None)
     try:
         made = scheduler(opt)
-    except RuntimeError:
+    except DEVICE_FAULTS:
         raise  # as for the optimizer: the device's failure
     except Exception as error:
         raise ConfigurationError(

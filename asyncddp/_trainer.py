@@ -151,8 +151,8 @@ class Trainer(Resumable):
             when the output is a terminal or a notebook.
         pin_memory: Page-lock batches on the loader thread before they go to a GPU; by default
             when a device is a GPU.
-        prefetch: Batches loaded ahead of training, on the loader thread (a list of batches,
-            read in place, needs none).
+        prefetch: Batches loaded ahead of training, on the loader thread (a list of batches
+            with nothing to page-lock, read in place, needs none).
         threads_per_worker: Intra-op threads for each CPU worker; by default the process's
             ``torch.get_num_threads()`` shared out among the CPU workers.
         check_finite: Raise :class:`NonFiniteLossError`, naming the device and step, when a
@@ -339,8 +339,9 @@ class Trainer(Resumable):
         the batches already trained on) and trains until ``epochs`` are complete.
 
         Threads: batches are loaded on a loader thread (a list or tuple of batches, which
-        holds them already, is read in place), computed on the devices' worker threads; the
-        event loop only dispatches and awaits, and stays free throughout.
+        holds them already, is read in place when nothing is to be page-locked for a GPU),
+        computed on the devices' worker threads; the event loop only dispatches and awaits,
+        and stays free throughout.
 
         Args:
             train_data: Any iterable of batches (a ``DataLoader``, a list of tensors, ...),

@@ -37,3 +37,60 @@ def test_a_batch_whose_tensors_differ_in_dim_0_names_their_sizes_in_order() -> N
     expected = "got sizes [64, 32] in {'x': tensor of shape (64, 8), 'y': (tensor of shape (32, 1)"
     with pytest.raises(DataError, match=re.escape(expected)):
         items_in(batch)
+
+
+# -- where the data is read ----------------------------------------------------------------------
+
+
+class _LazyList(list):  # type: ignore[type-arg]
+    """A list whose iteration is its own (it might load each item as it goes)."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        yield from super().__iter__()
+
+
+class _PlainList(list):  # type: ignore[type-arg]
+    pass
+
+
+@pytest.mark.parametrize(
+    ("data", "inline"),
+    [
+        ([1, 2], True),
+        ((1, 2), True),
+        (_PlainList([1, 2]), True),  # iterated as a list is
+        (_LazyList([1, 2]), False),  # its own __iter__ may block
+        (iter([1, 2]), False),
+        (range(2), False),
+        (torch.utils.data.DataLoader([1, 2]), False),
+    ],
+)
+def test_only_lists_and_tuples_iterated_as_such_are_read_in_place(
+    data: object, inline: bool
+) -> None:
+    from asyncddp._ranks import in_memory, rank_view
+
+    assert in_memory(data) is inline  # type: ignore[arg-type]
+    if not isinstance(data, torch.utils.data.DataLoader):
+        assert in_memory(rank_view(data, 1, 2, seed=0)) is inline  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_a_prefetcher_read_in_place_transforms_notes_errors_and_closes() -> None:
+    from asyncddp._loader import Prefetcher
+
+    def numbers() -> object:
+        yield 1
+        yield 2
+        raise KeyError("item 3")
+
+    async with Prefetcher(numbers(), transform=lambda x: x * 10, name="nums", inline=True) as p:
+        assert [await p.__anext__(), await p.__anext__()] == [10, 20]
+        with pytest.raises(KeyError, match="item 3") as caught:
+            await p.__anext__()
+        assert caught.value.__notes__ == ["raised while iterating nums"]
+    closed = Prefetcher([1, 2, 3], inline=True)
+    async with closed:
+        assert await closed.__anext__() == 1
+    with pytest.raises(StopAsyncIteration):
+        await closed.__anext__()  # once closed, nothing more

@@ -429,6 +429,15 @@ async def test_an_lr_scheduler_factory_that_raises_is_a_mistake_in_the_arguments
 
 
 @pytest.mark.anyio
+async def test_torchs_own_argument_checks_in_a_factory_are_mistakes_in_the_arguments() -> None:
+    # torch checks some optimizer options with a RuntimeError: still the arguments' fault.
+    adam = functools.partial(torch.optim.Adam, fused=True, foreach=True)
+    trainer = Trainer(MODEL(), adam, mse, devices=cpu_devices(2), progress_bar=False)
+    with pytest.raises(asyncddp.ConfigurationError, match="optimizer factory raised RuntimeError"):
+        await trainer.fit(make_batches(0), epochs=1)
+
+
+@pytest.mark.anyio
 async def test_a_device_fault_in_the_optimizer_factory_stays_a_device_fault() -> None:
     # Some optimizers allocate on the device as they are made: running out of memory there is
     # the device's failure, named as such, not a mistake in the arguments.

@@ -951,6 +951,8 @@ async def test_a_dataset_given_for_batches_is_a_clear_error(targets: torch.Tenso
         await trainer.fit(make_batches([4]), valid_data=dataset, epochs=1)
     with pytest.raises(DataError, match=r"data is a TensorDataset.*DataLoader\(data, batch"):
         await trainer.validate(dataset)
+    with pytest.raises(DataError, match=r"^data yielded no items"):
+        await trainer.validate([])
     assert trainer.global_step == 0
 
 
@@ -1181,6 +1183,22 @@ async def test_batches_in_a_list_are_read_on_the_event_loop_and_others_on_a_load
     # The loader thread reads ahead, and ends with the data: it runs beside the first steps.
     assert "asyncddp-loader" in seen[0]
     assert data.threads == {"asyncddp-loader"}
+
+
+async def test_a_list_whose_iteration_is_its_own_is_read_on_the_loader_thread() -> None:
+    # A list subclass may load each item as it iterates: it may block, so it is not read on the
+    # event loop.
+    threads: set[str] = set()
+
+    class Lazy(list):  # type: ignore[type-arg]
+        def __iter__(self) -> Iterator[Any]:
+            for batch in super().__iter__():
+                threads.add(threading.current_thread().name)
+                yield batch
+
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    await trainer.fit(Lazy(make_batches([4, 4])), epochs=1)
+    assert threads == {"asyncddp-loader"}
 
 
 async def test_data_whose_next_blocks_leaves_the_event_loop_free() -> None:
