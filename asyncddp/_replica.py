@@ -107,9 +107,10 @@ def has_sparse_gradients(model: nn.Module) -> bool:
 
 
 #: What a factory may raise that is its device's failure, not a mistake in the arguments
-#: (``torch.AcceleratorError``, a CUDA error, came with torch 2.8).
+#: (``torch.cuda.OutOfMemoryError`` is ``torch.OutOfMemoryError`` where torch has the latter;
+#: ``torch.AcceleratorError``, a CUDA error, came with torch 2.8).
 DEVICE_FAULTS: tuple[type[BaseException], ...] = (
-    torch.OutOfMemoryError,
+    torch.cuda.OutOfMemoryError,
     *([torch.AcceleratorError] if hasattr(torch, "AcceleratorError") else []),
 )
 
