@@ -149,4 +149,6 @@ def _restride(loader: DataLoader[Any], strided: _StridedBatchSampler) -> DataLoa
         prefetch_factor=loader.prefetch_factor if workers else None,
         persistent_workers=loader.persistent_workers if workers else False,
         pin_memory_device=loader.pin_memory_device,
+        # Whether workers' batches may come out of order (torch 2.6 and newer).
+        **({"in_order": loader.in_order} if hasattr(loader, "in_order") else {}),
     )

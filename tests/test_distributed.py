@@ -845,6 +845,26 @@ def test_a_dataloader_without_batching_is_strided_in_its_sampler() -> None:
         assert not set(firsts[0]) & set(firsts[1])
 
 
+def test_a_strided_dataloader_keeps_the_loaders_settings() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from asyncddp._ranks import rank_view
+
+    dataset = TensorDataset(torch.zeros(20, 2))
+    settings: dict[str, Any] = {"num_workers": 1, "timeout": 7.0, "prefetch_factor": 3}
+    if "in_order" in DataLoader.__init__.__code__.co_varnames:
+        settings["in_order"] = False  # torch 2.6 and newer
+    for loader in (
+        DataLoader(dataset, batch_size=4, **settings),
+        DataLoader(dataset, batch_size=None, **settings),
+    ):
+        view = rank_view(loader, 1, 2, seed=0)
+        assert isinstance(view, DataLoader)
+        assert view is not loader
+        for name, value in settings.items():
+            assert getattr(view, name) == value, name
+
+
 def test_a_dataloader_subclass_keeps_what_its_iter_does() -> None:
     # Its own __iter__ (here: it scales every batch) runs; each rank keeps its batches of it.
     from torch.utils.data import DataLoader, TensorDataset
