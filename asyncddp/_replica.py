@@ -125,39 +125,46 @@ def build_replica(
 ) -> Replica:
     """Copy ``source`` onto ``device`` (or use it as it is) and give it an optimizer."""
     model = source if use_source else copy.deepcopy(source).to(device.torch_device)
-    try:
-        opt = optimizer(p for p in model.parameters() if p.requires_grad)
-    except DEVICE_FAULTS:
-        raise  # out of memory, a CUDA error: the device's failure, not the arguments'
-    except Exception as error:
-        swapped = (
-            " (the step function comes third: Trainer(model, optimizer, step))"
-            if isinstance(error, TypeError)
-            else ""
-        )
-        raise ConfigurationError(
-            f"the optimizer factory raised {type(error).__name__}: {error}. Trainer's second "
-            "argument makes one optimizer per replica from its parameters, such as "
-            f"functools.partial(torch.optim.SGD, lr=0.1){swapped}"
-        ) from error
+    opt = _made_by(
+        optimizer,
+        (p for p in model.parameters() if p.requires_grad),
+        "the optimizer factory",
+        "Trainer's second argument makes one optimizer per replica from its parameters, such "
+        "as functools.partial(torch.optim.SGD, lr=0.1)",
+        swapped=" (the step function comes third: Trainer(model, optimizer, step))",
+    )
     if not isinstance(opt, torch.optim.Optimizer):
         raise ConfigurationError(
             f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer; "
             "give a factory such as functools.partial(torch.optim.SGD, lr=0.1)"
         )
-    if scheduler is None:
-        return Replica(device, model, opt, None)
-    try:
-        made = scheduler(opt)
-    except DEVICE_FAULTS:
-        raise  # as for the optimizer: the device's failure
-    except Exception as error:
-        raise ConfigurationError(
-            f"the lr_scheduler factory raised {type(error).__name__}: {error}. lr_scheduler "
-            "makes one scheduler per replica from its optimizer, such as "
-            "functools.partial(torch.optim.lr_scheduler.StepLR, step_size=10)"
-        ) from error
+    made = None
+    if scheduler is not None:
+        made = _made_by(
+            scheduler,
+            opt,
+            "the lr_scheduler factory",
+            "lr_scheduler makes one scheduler per replica from its optimizer, such as "
+            "functools.partial(torch.optim.lr_scheduler.StepLR, step_size=10)",
+        )
     return Replica(device, model, opt, made)
+
+
+def _made_by(
+    factory: Callable[[Any], Any], argument: Any, name: str, usage: str, *, swapped: str = ""
+) -> Any:
+    """``factory(argument)``; what it raises becomes a :class:`ConfigurationError` that says
+    what the factory is for (``usage``; and ``swapped`` for a ``TypeError``, the sign of
+    arguments given in the wrong order), except a device fault (:data:`DEVICE_FAULTS`)."""
+    try:
+        return factory(argument)
+    except DEVICE_FAULTS:
+        raise  # out of memory, a CUDA error: the device's failure, not the arguments'
+    except Exception as error:
+        hint = swapped if isinstance(error, TypeError) else ""
+        raise ConfigurationError(
+            f"{name} raised {type(error).__name__}: {error}. {usage}{hint}"
+        ) from error
 
 
 def loss_and_metrics(
