@@ -260,36 +260,36 @@ class Comm:
         """
         metrics = metrics or {}
         new = [name for name in metrics if name not in self.names]
-        values = self._fill(kind, items, loss, metrics, active, stop, used, failed=False, new=new)
-        values[_BUCKETS] = float(bool(buckets))  # sent with the header
-        values[_COUNTED] = float(counted)
+        row = self._fill(kind, items, loss, metrics, active, stop, used, failed=False, new=new)
+        row[_BUCKETS] = float(bool(buckets))  # sent with the header
+        row[_COUNTED] = float(counted)
+        values = torch.tensor(row, dtype=torch.float64)
         self._all_reduce(values, buckets)
-        if values[_BUCKETS] > 0 and not buckets:
+        # Read back once, as Python floats: each read of a tensor element is a torch call.
+        row = values.tolist()
+        if row[_BUCKETS] > 0 and not buckets:
             self._join_buckets(None)  # others sent a step's buckets: out of step, or failed
-        if values[_FAILED] > 0:
+        if row[_FAILED] > 0:
             raise PeerFailed(self._gather_failures(None))
-        got = round(float(values[_KIND]))
+        got = round(row[_KIND])
         if got != kind * self.world_size:
             raise ConfigurationError(
                 f"the ranks are out of step: exchange {kind} here, others elsewhere ({got}); "
                 "every rank must call fit() with the same arguments"
             )
-        if values[_NEW] > 0:
-            values = torch.cat([values, self._register(new, metrics)])
+        if row[_NEW] > 0:
+            row += self._register(new, metrics)
         n = self.params
+        pairs = row[_FIXED + n :]
         return Global(
-            items=round(float(values[_ITEMS])),
-            loss=float(values[_LOSS]),
-            active=round(float(values[_ACTIVE])),
-            stop=round(float(values[_STOP])),
-            counted=round(float(values[_COUNTED])),
-            used=[bool(v > 0) for v in values[_FIXED : _FIXED + n].tolist()],
+            items=round(row[_ITEMS]),
+            loss=row[_LOSS],
+            active=round(row[_ACTIVE]),
+            stop=round(row[_STOP]),
+            counted=round(row[_COUNTED]),
+            used=[v > 0 for v in row[_FIXED : _FIXED + n]],
             metrics={
-                name: float(total)
-                for name, (total, reported) in zip(
-                    self.names, values[_FIXED + n :].view(-1, 2).tolist(), strict=True
-                )
-                if reported > 0
+                name: pairs[2 * i] for i, name in enumerate(self.names) if pairs[2 * i + 1] > 0
             },
         )
 
@@ -305,22 +305,18 @@ class Comm:
         *,
         failed: bool,
         new: Sequence[str],
-    ) -> torch.Tensor:
-        values = torch.zeros(_FIXED + self.params + 2 * len(self.names), dtype=torch.float64)
-        fixed = [kind, items, loss, float(active), float(failed), float(stop), float(bool(new))]
-        fixed += [0.0, 0.0]  # _BUCKETS and _COUNTED: set by the caller
-        values[:_FIXED] = torch.tensor(fixed, dtype=torch.float64)
-        if used is not None:
-            values[_FIXED : _FIXED + self.params] = torch.tensor(
-                [float(u) for u in used], dtype=torch.float64
-            )
-        for i, name in enumerate(self.names):
-            if name in metrics:
-                values[_FIXED + self.params + 2 * i] = metrics[name]
-                values[_FIXED + self.params + 2 * i + 1] = 1.0
-        return values
+    ) -> list[float]:
+        """A header's row, in the fixed layout every rank shares (made in Python and turned
+        into a tensor once: a torch call per element costs more than the whole row)."""
+        row = [float(kind), float(items), float(loss), float(active), float(failed)]
+        row += [float(stop), float(bool(new)), 0.0, 0.0]  # _BUCKETS, _COUNTED: the caller's
+        row += [float(u) for u in used] if used is not None else [0.0] * self.params
+        for name in self.names:
+            reported = name in metrics
+            row += [float(metrics[name]) if reported else 0.0, float(reported)]
+        return row
 
-    def _register(self, new: list[str], metrics: dict[str, float]) -> torch.Tensor:
+    def _register(self, new: list[str], metrics: dict[str, float]) -> list[float]:
         """Add the metric names some rank saw first; returns their (sum, reported) pairs for
         this exchange."""
         gathered: list[Any] = [None] * self.world_size
@@ -336,7 +332,7 @@ class Comm:
         if added:
             self._all_reduce(extra)
         self.names.extend(added)
-        return extra
+        return extra.tolist()
 
     def share(self, value: Any) -> Any:
         """Rank 0's ``value``, on every rank (blocking)."""
@@ -389,9 +385,9 @@ class Comm:
         """
         self.announced = True
         wait = datetime.timedelta(seconds=timeout)
-        values = self._fill(0, 0, 0.0, {}, False, False, None, failed=True, new=())
+        row = self._fill(0, 0, 0.0, {}, False, False, None, failed=True, new=())
         try:
-            sent = values.to(self._wire)
+            sent = torch.tensor(row, dtype=torch.float64, device=self._wire)
             for work in self._issue([sent]):
                 work.wait(timeout=wait)
             values = sent.cpu()

@@ -209,7 +209,10 @@ class Epochs(DistributedSteps):
             taken = window.sums.items > 0  # else nothing to learn from: no step was taken
             if taken:
                 self.global_step += 1
-                if window.sums.counted:  # what the next steps' counts are weighted against
+                if window.sums.counted or self._distributed():
+                    # What the next steps' counts are weighted against (the same on every
+                    # rank); across ranks, a step with as many items as this one then needs
+                    # no scaling of its reduced gradients (see _reference_count).
                     self._items_ref = float(window.sums.items)
         cancelled, self._cancelled_in_step = self._cancelled_in_step, None
         if cancelled is not None:  # across ranks: after a step that every rank took

@@ -123,7 +123,7 @@ class Steps:
     _consistent: bool
     _apply_id: int
     _sparse_grads: bool  # the model makes sparse gradients (see has_sparse_gradients)
-    _items_ref: float | None  # the last counted step's total (see _reference_count)
+    _items_ref: float | None  # see _reference_count
     _cancelled_in_step: BaseException | None  # raised once the step is counted
 
     def _jobs(self) -> Jobs:
@@ -337,9 +337,11 @@ class Steps:
         return self._accumulates(window) or self._distributed() or len(self.devices) > 1
 
     def _reference_count(self, items: int) -> float:
-        """What counted items are weighted against (see ``TrainWork.per_item``): the last
-        counted step's total, else this micro-step's items (across ranks, 1: every rank must
-        use the same)."""
+        """What a step's items are weighted against (see ``TrainWork.per_item``): the last
+        counted step's total, else this micro-step's items (across ranks, the last step's
+        global total, else 1: every rank must use the same). The reduced gradients are
+        multiplied by this over the step's total, so across ranks a step as large as the last
+        one (every step, with even data) skips that pass over the gradients."""
         if self._items_ref is not None:
             return self._items_ref
         return 1.0 if self._distributed() else float(max(items, 1))

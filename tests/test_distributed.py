@@ -924,3 +924,37 @@ def test_a_ranks_item_count_is_that_of_the_batches_it_gets(
             counts.append(expected)
         assert sum(counts) == (size // batch_size * batch_size if drop_last else size)
     assert rank_items_total(iter(listed), 0, world_size) is None  # unknown without iterating
+
+
+def test_a_step_as_large_as_the_last_takes_no_pass_to_scale_its_reduced_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Across ranks the gradients are weighted before the backward against the last step's
+    # global item count, so a step as large as it needs no multiplication after the
+    # all-reduce (a pass over every gradient, 2 MB a step on the benchmarks' MLP); a step of
+    # another size is scaled to the exact mean. A one-process gloo group, in this process.
+    import anyio
+    import torch.distributed as dist
+
+    from asyncddp import _sync
+
+    coefficients: list[float] = []
+    scale_grads = _sync.scale_grads
+
+    def spy(grads: Any, coefficient: float) -> Any:
+        coefficients.append(coefficient)
+        return scale_grads(grads, coefficient)
+
+    monkeypatch.setattr(_sync, "scale_grads", spy)
+    data = worker.batches(4)  # 12, 12, 12, then 7 items
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        trainer = one_device_trainer(0)  # joins the group
+        anyio.run(functools.partial(trainer.fit, data, epochs=1))
+    finally:
+        dist.destroy_process_group()
+    assert coefficients == [1 / 12, 1.0, 1.0, 12 / 7]
+    expected = one_device_trainer(0)
+    anyio.run(functools.partial(expected.fit, data, epochs=1))
+    for mine, theirs in zip(trainer.model.parameters(), expected.model.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-6)
