@@ -18,7 +18,11 @@ A step's gradient buckets are all-reduced *with* its header, all started at once
 costs no round trip of its own; ``buckets`` counts the ranks that sent them. A rank that sent a
 header alone while others sent buckets with theirs (it announces a failure while they are in a
 step, or it is out of step with them) joins with zero buckets of the same layout, so every rank
-has issued the same collectives in the same order.
+has issued the same collectives in the same order. A small model's gradients (over gloo, up to
+``PACK_ELEMENTS``) travel *inside* the header instead, as float64 after its fields: one
+all-reduce a step, where two would cost twice the latency. Then every header of that trainer
+has room for them (zeros when it carries none), so headers always match, whatever exchange
+each rank is in, and nobody joins buckets.
 
 What follows the header depends on it, and every rank knows the same header:
 
@@ -61,6 +65,13 @@ _FIXED = 9
 
 #: Gradient all-reduces are issued in buckets of at most this many bytes (as DDP's 25 MB).
 BUCKET_BYTES = 25 * 1024 * 1024
+
+#: Over gloo, gradients of at most this many elements in all travel inside the header (as
+#: float64, which holds float32, float16 and bfloat16 values exactly): one all-reduce a step
+#: instead of two started together. Small all-reduces are bound by their latency, and on 2
+#: processes on localhost two cost 1.2-2.4x one up to 16K elements; above 32K the doubled
+#: bytes cost more than the second collective (scratch measurements, see docs/benchmarks.md).
+PACK_ELEMENTS = 16 * 1024
 
 #: How long survivors wait for each other's sign of life after a collective broke.
 ALIVE_WAIT = 5.0
@@ -263,11 +274,19 @@ class Comm:
         row = self._fill(kind, items, loss, metrics, active, stop, used, failed=False, new=new)
         row[_BUCKETS] = float(bool(buckets))  # sent with the header
         row[_COUNTED] = float(counted)
-        values = torch.tensor(row, dtype=torch.float64)
-        self._all_reduce(values, buckets)
+        size = len(row)
+        values = self._header_tensor(row, buckets)
+        if self.packed():
+            self._all_reduce(values)
+            offset = size
+            for bucket in buckets:
+                bucket.view(-1).copy_(values[offset : offset + bucket.numel()])
+                offset += bucket.numel()
+        else:
+            self._all_reduce(values, buckets)
         # Read back once, as Python floats: each read of a tensor element is a torch call.
-        row = values.tolist()
-        if row[_BUCKETS] > 0 and not buckets:
+        row = values[:size].tolist()
+        if row[_BUCKETS] > 0 and not buckets and not self.packed():
             self._join_buckets(None)  # others sent a step's buckets: out of step, or failed
         if row[_FAILED] > 0:
             raise PeerFailed(self._gather_failures(None))
@@ -292,6 +311,33 @@ class Comm:
                 name: pairs[2 * i] for i, name in enumerate(self.names) if pairs[2 * i + 1] > 0
             },
         )
+
+    def packed(self) -> bool:
+        """Whether a step's gradients travel inside its header (see :data:`PACK_ELEMENTS`):
+        then every header has room for them (zeros when it carries none), so that a rank that
+        announces a failure sends what the others' exchange has, whichever it is."""
+        return (
+            self._wire.type == "cpu"
+            and bool(self.layout)
+            and sum(n for n, _ in self.layout) <= PACK_ELEMENTS
+            and all(dtype.is_floating_point for _, dtype in self.layout)
+        )
+
+    def _header_tensor(
+        self, row: list[float], buckets: Sequence[torch.Tensor] = ()
+    ) -> torch.Tensor:
+        """The header to all-reduce: ``row``, followed when :meth:`packed` by the step's
+        gradients ``buckets`` (zeros without them); on the CPU."""
+        if not self.packed():
+            return torch.tensor(row, dtype=torch.float64)
+        size = len(row)
+        values = torch.zeros(size + sum(n for n, _ in self.layout), dtype=torch.float64)
+        values[:size] = torch.tensor(row, dtype=torch.float64)
+        offset = size
+        for bucket in buckets:
+            values[offset : offset + bucket.numel()].copy_(bucket.view(-1))
+            offset += bucket.numel()
+        return values
 
     def _fill(
         self,
@@ -387,11 +433,11 @@ class Comm:
         wait = datetime.timedelta(seconds=timeout)
         row = self._fill(0, 0, 0.0, {}, False, False, None, failed=True, new=())
         try:
-            sent = torch.tensor(row, dtype=torch.float64, device=self._wire)
+            sent = self._header_tensor(row).to(self._wire)
             for work in self._issue([sent]):
                 work.wait(timeout=wait)
             values = sent.cpu()
-            if values[_BUCKETS] > 0:
+            if values[_BUCKETS] > 0 and not self.packed():
                 # The others are in a step's exchange: they sum their gradients with the
                 # header, so this rank joins with buckets of the same layout.
                 self._join_buckets(wait)

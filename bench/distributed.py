@@ -3,6 +3,9 @@
 Run:  python bench/distributed.py            (a few minutes on 2 cores)
       python bench/distributed.py --quick    (a smoke run)
       python bench/distributed.py --phases   (asyncddp's step on the MLP, phase by phase)
+      python bench/distributed.py --exchange (the header and gradients, sizes 100 to 535562)
+      python bench/distributed.py --workloads "linear 16-10" --steps 300
+                                             (a model whose step is its fixed costs alone)
 
 Both contenders run 2 processes on localhost over gloo, one CPU device each, half the CPU
 threads each, the same model (throughput.py's MLP 512-1024-10 and convnet) and the same global
@@ -51,6 +54,7 @@ import torch
 from phases import timing
 from throughput import (
     BATCH,
+    MODELS,
     SGD,
     WORKLOADS,
     cpu_by_thread,
@@ -83,7 +87,7 @@ def _asyncddp_rank(
     )
     asyncddp.distributed.init("gloo")
     try:
-        make, shape = WORKLOADS[workload]
+        make, shape = MODELS[workload]
         # Every half-batch in one list: rank r trains on half-batches r, r + 2, ..., so each
         # step's global batch is the same 256 items that DDP's two ranks share.
         halves = [
@@ -152,7 +156,7 @@ def _phases_rank(
 
     _asyncddp_rank(rank, port, threads, workload, steps, True, Collect(), destroy=False)
     try:
-        numel = sum(p.numel() for p in WORKLOADS[workload][0]().parameters())
+        numel = sum(p.numel() for p in MODELS[workload][0]().parameters())
         gradients, alone = torch.zeros(numel), []
         for _ in range(steps):
             dist.barrier()
@@ -181,6 +185,65 @@ def phases(workload: str, steps: int, threads: int) -> None:
     print(f"  gloo's all-reduce of {numel} floats alone, between the 2 processes: {alone:.2f} ms")
 
 
+#: ``--exchange``: gradient sizes (elements) to all-reduce three ways.
+EXCHANGE_SIZES = (100, 4_000, 16_000, 32_000, 64_000, 128_000, 535_562)
+
+
+def _exchange_rank(rank: int, port: int, repeats: int, results: Any) -> None:
+    """The three ways a step's header (float64) and float32 gradients can cross: the gradients
+    alone (the least any design pays), the two all-reduces started together (asyncddp for
+    large models), and one float64 all-reduce with the gradients inside the header (asyncddp
+    for small models: ``_comm.PACK_ELEMENTS``)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        table = {}
+        for numel in EXCHANGE_SIZES:
+            gradients = torch.randn(numel)
+            header = torch.zeros(_comm._FIXED + 4, dtype=torch.float64)
+            times: dict[str, list[float]] = {"alone": [], "together": [], "packed": []}
+            for _ in range(repeats):
+                for way, spent in times.items():
+                    dist.barrier()
+                    start = time.perf_counter()
+                    if way == "alone":
+                        dist.all_reduce(gradients)
+                    elif way == "together":
+                        works = [
+                            dist.all_reduce(header, async_op=True),
+                            dist.all_reduce(gradients, async_op=True),
+                        ]
+                        for work in works:
+                            work.wait()
+                    else:
+                        packed = torch.cat([header, gradients.to(torch.float64)])
+                        dist.all_reduce(packed)
+                        header.copy_(packed[: header.numel()])
+                        gradients.copy_(packed[header.numel() :])
+                    spent.append(time.perf_counter() - start)
+            table[numel] = {way: 1e6 * statistics.median(spent) for way, spent in times.items()}
+        if rank == 0:
+            results.put(table)
+    finally:
+        dist.destroy_process_group()
+
+
+def exchange(repeats: int) -> None:
+    table = run_two_ranks(_exchange_rank, repeats, name="exchange")
+    print(
+        f"a step's header and float32 gradients between 2 processes (gloo), median us of {repeats}"
+    )
+    print(f"  {'elements':>9} {'gradients alone':>16} {'two together':>13} {'one, packed':>12}")
+    for numel, row in table.items():
+        print(
+            f"  {numel:>9} {row['alone']:>16.0f} {row['together']:>13.0f} "
+            f"{row['packed']:>12.0f}  packed / together {row['packed'] / row['together']:.2f}"
+        )
+    print(f"  (asyncddp packs up to _comm.PACK_ELEMENTS = {_comm.PACK_ELEMENTS} elements)")
+
+
 def asyncddp_2proc(
     workload: str, steps: int, threads: int, atomic: bool = True
 ) -> tuple[float, dict[str, float]]:
@@ -205,9 +268,24 @@ def main() -> None:
     parser.add_argument(
         "--phases", action="store_true", help="time the phases of asyncddp's step on the MLP"
     )
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=list(MODELS),
+        default=list(WORKLOADS),
+        help='the models (default: the issue\'s two; "linear 16-10": a step of fixed costs alone)',
+    )
+    parser.add_argument(
+        "--exchange",
+        action="store_true",
+        help="time a step's header and gradients crossing alone, together, packed in one",
+    )
     args = parser.parse_args()
     if args.quick:
         args.steps, args.rounds = 8, 1
+    if args.exchange:
+        exchange(5 if args.quick else 100)
+        return
     if args.phases:  # 300 steps unless --steps says more (or --quick less)
         steps = args.steps if args.quick else max(args.steps, 300)
         phases("mlp 512-1024-10", steps, torch.get_num_threads())
@@ -218,7 +296,8 @@ def main() -> None:
         f"{max(1, threads // 2)} threads per process, median of {args.rounds} rounds x "
         f"{args.steps} steps (torch {torch.__version__}, {os.cpu_count()} CPUs)"
     )
-    for name, (_, shape) in WORKLOADS.items():
+    for name in args.workloads:
+        shape = MODELS[name][1]
         figures: dict[str, list[tuple[float, dict[str, float]]]] = {
             "ddp-gloo-2": [],
             HANDED_OFF: [],

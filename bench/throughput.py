@@ -103,10 +103,18 @@ def convnet() -> nn.Module:
     )  # fmt: skip
 
 
+def linear() -> nn.Module:
+    return nn.Linear(16, 10)
+
+
+#: The issue's workloads, run by default.
 WORKLOADS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "mlp 512-1024-10": (mlp, (512,)),
     "convnet 32x32": (convnet, (3, 32, 32)),
 }
+#: Every workload, by name: the issue's, and a model so small that a step is its fixed costs
+#: (hand-offs, collectives' latency), not its arithmetic; run it with ``--workloads``.
+MODELS = {**WORKLOADS, "linear 16-10": (linear, (16,))}
 
 
 def make_batches(shape: tuple[int, ...], steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -437,7 +445,7 @@ def _ddp_rank(
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         torch.manual_seed(0)
-        model = DistributedDataParallel(WORKLOADS[workload][0]())
+        model = DistributedDataParallel(MODELS[workload][0]())
         optimizer = SGD(model.parameters())
         batches = [(x[rank::2], y[rank::2]) for x, y in make_batches(shape, steps)]
         seconds, cpu = asyncio.run(
@@ -607,7 +615,7 @@ def measure_alone(contender: str, workload: str, steps: int) -> float:
 
 
 async def measure(contender: str, workload: str, steps: int) -> float:
-    make, shape = WORKLOADS[workload]
+    make, shape = MODELS[workload]
     batches = make_batches(shape, steps)
     if contender == "plain":
         return await plain(make, batches)
@@ -689,7 +697,7 @@ async def main() -> None:
         default=[c for c in CONTENDERS if c not in OPT_IN],
         help="which to run",
     )
-    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", choices=list(MODELS), default=list(WORKLOADS))
     args = parser.parse_args()
     if args.measure:
         print(await measure(*args.measure, args.steps))
@@ -705,7 +713,7 @@ async def main() -> None:
         f"rounds x {args.steps} steps (torch {torch.__version__}, {os.cpu_count()} CPUs)"
     )
     for name in args.workloads:
-        shape = WORKLOADS[name][1]
+        shape = MODELS[name][1]
         figures: dict[str, list[float]] = {contender: [] for contender in contenders}
         for _ in range(args.rounds):
             for contender in contenders:

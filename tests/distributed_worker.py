@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import asyncddp
 import asyncddp.distributed
+from asyncddp import _comm
 
 FAIL_AT = 3  # the global step at which the failure scenarios fail
 
@@ -164,6 +165,7 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         ]
         report["global_step"] = result.global_step
         report["validate"] = await t.validate(batches(5, 10))
+        report["packed"] = t._comm is not None and t._comm.packed()
     elif scenario == "counted-on-rank-0":  # rank 1's step gives no "items": refused on both
 
         def entries(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
@@ -613,6 +615,8 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ["RANK"])
+    if "PACK_ELEMENTS" in os.environ:  # the test's choice of exchange: see _comm.PACK_ELEMENTS
+        _comm.PACK_ELEMENTS = int(os.environ["PACK_ELEMENTS"])
     if scenario == "exact-nccl":
         asyncddp.distributed.init(timeout=120)  # the default backend: NCCL on a GPU
     elif not scenario.startswith("fit-then-join"):  # that one joins after a fit of its own

@@ -38,10 +38,19 @@ def free_port() -> int:
 
 
 def launch(
-    scenario: str, out: Path, world_size: int = 2, timeout: float = 120.0
+    scenario: str,
+    out: Path,
+    world_size: int = 2,
+    timeout: float = 120.0,
+    exchange: str = "packed",
 ) -> tuple[list[dict[str, Any] | None], list[int], float]:
     """Run ``scenario`` on ``world_size`` ranks; their reports (None if a rank wrote none),
-    exit codes, and the seconds they took."""
+    exit codes, and the seconds they took.
+
+    ``exchange``: ``"packed"``, a step's gradients inside its header, as the scenarios' small
+    models have them; ``"apart"``, in all-reduces of their own, as larger models have them
+    (``_comm.PACK_ELEMENTS`` set to 0 in the ranks).
+    """
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = []
@@ -56,6 +65,7 @@ def launch(
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
+            **({"PACK_ELEMENTS": "0"} if exchange == "apart" else {}),
         }
         procs.append(
             subprocess.Popen(
@@ -209,13 +219,17 @@ def assert_history_like(history: list[Any], result: asyncddp.FitResult) -> None:
         assert set(valid) == {"loss", "accuracy"}
 
 
+@pytest.mark.parametrize("exchange", ["packed", "apart"])
 @pytest.mark.parametrize("devices", [1, 2], ids=["1-device-per-rank", "2-devices-per-rank"])
-def test_two_ranks_end_with_the_parameters_of_one_device(tmp_path: Path, devices: int) -> None:
-    reports, codes, _ = launch(f"exact{devices}", tmp_path)
+def test_two_ranks_end_with_the_parameters_of_one_device(
+    tmp_path: Path, devices: int, exchange: str
+) -> None:
+    reports, codes, _ = launch(f"exact{devices}", tmp_path, exchange=exchange)
     assert codes == [0, 0]
     params, result, metrics = reference_params()
     for report in reports:
         assert report is not None
+        assert report["packed"] == (exchange == "packed")
         for mine, expected in zip(report["params"], params, strict=True):
             torch.testing.assert_close(mine, expected, atol=1e-5, rtol=1e-5)
         assert report["global_step"] == result.global_step == 8  # 4 steps per epoch, 7 batches
@@ -374,8 +388,9 @@ def test_a_rank_without_any_batch_joins_the_steps_and_does_not_hang(tmp_path: Pa
     assert_end_as_one_device(reports, 2, batches=1)
 
 
-def test_a_rank_that_raises_makes_every_rank_raise_naming_it(tmp_path: Path) -> None:
-    reports, codes, seconds = launch("raise", tmp_path)
+@pytest.mark.parametrize("exchange", ["packed", "apart"])
+def test_a_rank_that_raises_makes_every_rank_raise_naming_it(tmp_path: Path, exchange: str) -> None:
+    reports, codes, seconds = launch("raise", tmp_path, exchange=exchange)
     assert codes == [0, 0]  # no process was left hanging: both wrote their reports and exited
     for report in reports:
         assert report is not None
@@ -598,10 +613,11 @@ def test_a_mid_epoch_state_continues_only_on_as_many_processes(tmp_path: Path) -
     anyio.run(resume_on_one)
 
 
-def test_ranks_in_different_exchanges_say_so(tmp_path: Path) -> None:
+@pytest.mark.parametrize("exchange", ["packed", "apart"])
+def test_ranks_in_different_exchanges_say_so(tmp_path: Path, exchange: str) -> None:
     # Rank 1's step sends its gradients with the header; rank 0, validating, sends a header
     # alone. Both must learn they are out of step, not meet each other's next collectives.
-    reports, codes, _ = launch("out-of-step", tmp_path, timeout=40)
+    reports, codes, _ = launch("out-of-step", tmp_path, timeout=40, exchange=exchange)
     assert codes == [0, 0]
     for report in reports:
         assert report is not None
