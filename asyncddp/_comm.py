@@ -328,16 +328,13 @@ class Comm:
     ) -> torch.Tensor:
         """The header to all-reduce: ``row``, followed when :meth:`packed` by the step's
         gradients ``buckets`` (zeros without them); on the CPU."""
+        header = torch.tensor(row, dtype=torch.float64)
         if not self.packed():
-            return torch.tensor(row, dtype=torch.float64)
-        size = len(row)
-        values = torch.zeros(size + sum(n for n, _ in self.layout), dtype=torch.float64)
-        values[:size] = torch.tensor(row, dtype=torch.float64)
-        offset = size
-        for bucket in buckets:
-            values[offset : offset + bucket.numel()].copy_(bucket.view(-1))
-            offset += bucket.numel()
-        return values
+            return header
+        if not buckets:
+            buckets = [torch.zeros(sum(n for n, _ in self.layout), dtype=torch.float64)]
+        # One op: torch.cat promotes every bucket's dtype to the header's float64.
+        return torch.cat([header, *(bucket.view(-1) for bucket in buckets)])
 
     def _fill(
         self,
@@ -485,7 +482,8 @@ class Comm:
         works = []
         for tensor in tensors:
             per = max(1, BUCKET_BYTES // tensor.element_size())
-            for piece in torch.split(tensor, per):
+            pieces = [tensor] if tensor.numel() <= per else torch.split(tensor, per)
+            for piece in pieces:
                 works.append(dist.all_reduce(piece, async_op=True))
         return works
 
