@@ -3,14 +3,16 @@
 Every exchange between ranks starts with one small all-reduce, the *header*: a float64 vector
 that every rank fills in the same layout and that sums to the same totals on every rank::
 
-    kind | items | loss | active | failed | stop | new | buckets | used[P] | (sum, reported)[M]
+    kind | items | loss | active | failed | stop | new | buckets | counted | used[P] |
+    (sum, reported)[M] | a small model's gradients (see below)
 
 ``kind`` says which exchange this is (a step, the end of validation, ...); ``items``, ``loss``
 and the metric sums are sums over every device of every rank, which makes the gradient weights,
 the step's loss and the validation metrics exact; ``active`` counts the ranks that brought data
 (uneven data never hangs: a rank out of data keeps joining with zero items until none is
 active); ``failed`` counts the ranks that are raising; ``stop`` the ranks where ``stop()`` was
-called; ``used[p]`` how many ranks gave parameter ``p`` a gradient; each metric's ``reported``
+called; ``counted`` the ranks whose item counts came from their step (its ``"items"``);
+``used[p]`` how many ranks gave parameter ``p`` a gradient; each metric's ``reported``
 how many ranks reported it in this exchange (the registry of names is shared by training and
 validation: an exchange's figures hold only the metrics some rank reported in it).
 
@@ -22,7 +24,8 @@ has issued the same collectives in the same order. A small model's gradients (ov
 ``PACK_ELEMENTS``) travel *inside* the header instead, as float64 after its fields: one
 all-reduce a step, where two would cost twice the latency. Then every header of that trainer
 has room for them (zeros when it carries none), so headers always match, whatever exchange
-each rank is in, and nobody joins buckets.
+each rank is in, and nobody joins buckets. The set-up's first header holds the fixed fields
+alone: until the ranks have compared their trainers, a header's size must not depend on them.
 
 What follows the header depends on it, and every rank knows the same header:
 
@@ -68,9 +71,10 @@ BUCKET_BYTES = 25 * 1024 * 1024
 
 #: Over gloo, gradients of at most this many elements in all travel inside the header (as
 #: float64, which holds float32, float16 and bfloat16 values exactly): one all-reduce a step
-#: instead of two started together. Small all-reduces are bound by their latency, and on 2
-#: processes on localhost two cost 1.2-2.4x one up to 16K elements; above 32K the doubled
-#: bytes cost more than the second collective (scratch measurements, see docs/benchmarks.md).
+#: instead of two started together. Small all-reduces are bound by their latency: on 2
+#: processes on localhost the packed one took 0.15-0.88x the time of the two up to 16K
+#: elements, about the same at 32K, and more above (the doubled bytes cost more than the
+#: second collective): ``python bench/distributed.py --exchange``, in docs/benchmarks.md.
 PACK_ELEMENTS = 16 * 1024
 
 #: How long survivors wait for each other's sign of life after a collective broke.
@@ -218,13 +222,18 @@ class Comm:
             )
         self._incident = 0
         self._fingerprint = fingerprint
+        # Whether setup() found every rank's trainer alike. Until then a header holds its
+        # fixed fields alone: its size must not depend on what the ranks may disagree about
+        # (the parameters, the packing), or the first collective would fail in gloo, not here.
+        self._agreed = False
 
     # -- set-up ------------------------------------------------------------------------------
 
     def setup(self) -> None:
         """Learn every rank's devices, agree on a data seed, check the ranks agree (blocking)."""
         self.header(SETUP)  # a rank that fails before this point is heard of here
-        mine = (self.devices, self._fingerprint, int(torch.randint(0, 2**62, ()).item()))
+        fingerprint = f"{self._fingerprint} packed={self._packable()}"
+        mine = (self.devices, fingerprint, int(torch.randint(0, 2**62, ()).item()))
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, mine)
         self.rank_devices = [tuple(devices) for devices, _, _ in gathered]
@@ -244,9 +253,10 @@ class Comm:
         if different:
             raise ConfigurationError(
                 f"ranks {different} build a different trainer from rank 0 (model parameter "
-                f"shapes or options differ: {gathered[different[0]][1]} vs {gathered[0][1]}); "
-                "every rank must run the same model and Trainer arguments"
+                f"shapes, dtypes or options differ: {gathered[different[0]][1]} vs "
+                f"{gathered[0][1]}); every rank must run the same model and Trainer arguments"
             )
+        self._agreed = True
 
     # -- the header --------------------------------------------------------------------------
 
@@ -298,7 +308,7 @@ class Comm:
             )
         if row[_NEW] > 0:
             row += self._register(new, metrics)
-        n = self.params
+        n = self.params if self._agreed else 0
         pairs = row[_FIXED + n :]
         return Global(
             items=round(row[_ITEMS]),
@@ -315,7 +325,11 @@ class Comm:
     def packed(self) -> bool:
         """Whether a step's gradients travel inside its header (see :data:`PACK_ELEMENTS`):
         then every header has room for them (zeros when it carries none), so that a rank that
-        announces a failure sends what the others' exchange has, whichever it is."""
+        announces a failure sends what the others' exchange has, whichever it is. Only once
+        :meth:`setup` found every rank alike."""
+        return self._agreed and self._packable()
+
+    def _packable(self) -> bool:
         return (
             self._wire.type == "cpu"
             and bool(self.layout)
@@ -353,6 +367,8 @@ class Comm:
         into a tensor once: a torch call per element costs more than the whole row)."""
         row = [float(kind), float(items), float(loss), float(active), float(failed)]
         row += [float(stop), float(bool(new)), 0.0, 0.0]  # _BUCKETS, _COUNTED: the caller's
+        if not self._agreed:  # setup's header: the fixed fields alone (see __init__)
+            return row
         row += [float(u) for u in used] if used is not None else [0.0] * self.params
         for name in self.names:
             reported = name in metrics

@@ -131,12 +131,13 @@ class DistributedSteps(Steps):
             )
         model = self._source_model()
         params = [p for p in model.parameters() if p.requires_grad]
+        frozen = [(tuple(p.shape), p.dtype) for p in model.parameters() if not p.requires_grad]
         fingerprint = (
-            f"params={[tuple(p.shape) for p in params]} devices={len(self.devices)} "
+            f"params={[(tuple(p.shape), p.dtype) for p in params]} devices={len(self.devices)} "
             f"accumulate={self.accumulate_grad_batches} split={self.split_batches} "
             f"clip={self.gradient_clip_val} scaler={self._scaler is not None} "
             f"buffers={[(tuple(b.shape), b.dtype) for b in model.buffers()]} "
-            f"frozen={[tuple(p.shape) for p in model.parameters() if not p.requires_grad]}"
+            f"frozen={frozen}"
         )
         comm = Comm(self.devices, len(params), fingerprint)
         comm.layout = bucket_layout(params, len(self.devices))

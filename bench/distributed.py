@@ -204,8 +204,12 @@ def _exchange_rank(rank: int, port: int, repeats: int, results: Any) -> None:
             gradients = torch.randn(numel)
             header = torch.zeros(_comm._FIXED + 4, dtype=torch.float64)
             times: dict[str, list[float]] = {"alone": [], "together": [], "packed": []}
-            for _ in range(repeats):
-                for way, spent in times.items():
+            ways = list(times)
+            for repeat in range(repeats):
+                for way in ways[repeat % 3 :] + ways[: repeat % 3]:  # each first in turn
+                    spent = times[way]
+                    gradients.normal_()  # summed in place: fresh values, never overflowing
+                    header.zero_()
                     dist.barrier()
                     start = time.perf_counter()
                     if way == "alone":

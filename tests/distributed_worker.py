@@ -412,6 +412,27 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
             report["error"] = None
         except asyncddp.ConfigurationError as error:
             report["error"] = str(error)
+    elif scenario.startswith("model-differs-"):  # rank 1's model: wider, deeper, or float64
+        net = model()
+        if rank == 1 and scenario.endswith("wider"):
+            net = torch.nn.Sequential(
+                torch.nn.Linear(6, 17), torch.nn.Tanh(), torch.nn.Linear(17, 3)
+            )
+        elif rank == 1 and scenario.endswith("deeper"):
+            net = torch.nn.Sequential(net, torch.nn.Linear(3, 3))
+        elif rank == 1 and scenario.endswith("float64"):
+            net = net.double()
+        t = asyncddp.Trainer(
+            net, functools.partial(torch.optim.SGD, lr=0.1), step, devices="cpu", progress_bar=False
+        )
+        data = (
+            [(x.double(), y) for x, y in batches()] if scenario.endswith("float64") else batches()
+        )
+        try:
+            await t.fit(data if rank == 1 else batches(), epochs=1)
+            report["error"] = None
+        except asyncddp.ConfigurationError as error:
+            report["error"] = str(error)
     elif scenario == "mixed-kinds":  # rank 1 trains on a GPU (pretended: refused before use)
         if rank == 1:
             asyncddp._devices._cuda_device_count = lambda: 1  # type: ignore[attr-defined]
