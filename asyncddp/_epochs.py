@@ -30,7 +30,7 @@ from ._exceptions import ConfigurationError, DataError, StepOutputError, WorkerF
 from ._jobs import Jobs, Sums, check_counts
 from ._loader import Prefetcher
 from ._progress import ProgressTracker
-from ._ranks import in_memory, rank_items_total
+from ._ranks import in_memory, rank_items_total_off_loop
 from ._steps import Window, shard_items
 
 __all__ = ["EpochRecord", "Epochs"]
@@ -87,7 +87,7 @@ class Epochs(DistributedSteps):
         epoch, skip, resume_rng = self.epoch, self._batches_done, None
         rank, world = (self._comm.rank, self._comm.world_size) if self._comm else (0, 1)
         # Progress (and the bar) count this process's devices: its part of the data.
-        mine = rank_items_total(data, rank, world)
+        mine = await rank_items_total_off_loop(data, rank, world)
         if skip and self._epoch_rng is not None and self._batches_world != world:
             # Each rank counts its own batches, in an order of the ranks' own (their seed).
             raise ConfigurationError(

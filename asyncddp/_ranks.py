@@ -18,13 +18,18 @@ import itertools
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any, cast
 
+import anyio
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
 from ._data import is_batch_list, items_in, items_total
 from ._exceptions import DataError
 
-__all__ = ["in_memory", "rank_items_total", "rank_view"]
+__all__ = ["in_memory", "rank_items_total", "rank_items_total_off_loop", "rank_view"]
+
+#: A list of batches longer than this is counted on a thread (see
+#: :func:`rank_items_total_off_loop`).
+COUNT_ON_THREAD = 10_000
 
 
 def in_memory(data: Iterable[Any]) -> bool:
@@ -52,6 +57,15 @@ def rank_view(
         if plain:  # batch_size=None: each of the dataset's items is a batch, drawn by the sampler
             return _restride(data, _StridedBatchSampler(data.sampler, rank, world_size, seed))
     return _Strided(data, rank, world_size, seed)
+
+
+async def rank_items_total_off_loop(data: Iterable[Any], rank: int, world_size: int) -> int | None:
+    """:func:`rank_items_total`, off the event loop for a long list of batches: counting one
+    walks every batch (about 1.4 us a batch here, 0.14 s for 100,000), which on the event loop
+    would stall every other task on it at each epoch's start."""
+    if is_batch_list(data) and len(cast("Sized", data)) > COUNT_ON_THREAD:
+        return await anyio.to_thread.run_sync(rank_items_total, data, rank, world_size)
+    return rank_items_total(data, rank, world_size)
 
 
 def rank_items_total(data: Iterable[Any], rank: int, world_size: int) -> int | None:

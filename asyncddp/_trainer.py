@@ -40,7 +40,6 @@ import torch
 from torch import nn
 
 from . import _comm, _devices, distributed
-from ._data import items_total
 from ._devices import CPU_HINT, Device, DeviceSpec, resolve_devices
 from ._epochs import EpochRecord
 from ._events import (
@@ -58,6 +57,7 @@ from ._exceptions import (
 )
 from ._jobs import Jobs, Sums, load_into, to_cpu
 from ._precision import LossScaler, autocast_dtype
+from ._ranks import rank_items_total_off_loop
 from ._replica import (
     OptimizerFactory,
     Replica,
@@ -393,13 +393,9 @@ class Trainer(Resumable):
                 _check_data(valid_data, "valid_data", epochs - self.epoch)
             await self._wait_for_checkpoint_session()  # one may have begun while joining
             async with self._session("fit"):
+                total = await rank_items_total_off_loop(train_data, 0, 1)  # all of the data
                 self._hub.publish(
-                    FitStarted(
-                        epochs,
-                        self.epoch,
-                        tuple(d.name for d in self.devices),
-                        items_total(train_data),
-                    )
+                    FitStarted(epochs, self.epoch, tuple(d.name for d in self.devices), total)
                 )
                 while self.epoch < epochs:
                     if not self._epoch_trained and not await self._train_epoch(train_data, epochs):

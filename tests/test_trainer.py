@@ -651,6 +651,39 @@ async def test_drop_policy_goes_on_without_the_failed_device() -> None:
     assert [(e.device, e.remaining) for e in dropped] == [("cpu#1", ("cpu#0", "cpu#2"))]
 
 
+@pytest.mark.parametrize("long", [False, True], ids=["short-list", "long-list"])
+async def test_a_long_list_of_batches_is_counted_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch, long: bool
+) -> None:
+    # Progress needs every batch of a list counted at the fit's and each epoch's start: a walk
+    # over all of them (0.14 s for 100,000 small batches here), which must not stall the
+    # event loop. Past a length (10,000; 4 here) it runs on a thread; the counts are the same.
+    from asyncddp import _ranks
+
+    monkeypatch.setattr(_ranks, "COUNT_ON_THREAD", 4 if long else 100)
+    threads: list[threading.Thread] = []
+    count = _ranks.rank_items_total
+
+    def spy(data: Any, rank: int, world_size: int) -> int | None:
+        threads.append(threading.current_thread())
+        return count(data, rank, world_size)
+
+    monkeypatch.setattr(_ranks, "rank_items_total", spy)
+    batches = make_batches([5, 5, 3, 4, 2, 6])
+    trainer = Trainer(make_model(), SGD, loss_step, devices="cpu", progress_bar=False)
+    stream = trainer.events()
+    await trainer.fit(batches, epochs=2)
+    events = [event async for event in stream]
+    assert isinstance(events[0], FitStarted)
+    assert events[0].items_total == 25
+    steps = [e for e in events if isinstance(e, StepEnded)]
+    assert [e.progress.items_total for e in steps] == [25] * 12
+    assert [e.progress.items_processed for e in steps[-6:]] == [5, 10, 13, 17, 19, 25]
+    assert len(threads) == 3  # the fit's start, each epoch's start
+    loop_thread = threading.current_thread()
+    assert all((thread is not loop_thread) == long for thread in threads)
+
+
 async def test_events_come_in_order_with_exact_monotonic_progress(tmp_path: Any) -> None:
     batches = make_batches([5, 5, 3])
     trainer = Trainer(
