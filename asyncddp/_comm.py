@@ -231,7 +231,11 @@ class Comm:
 
     def setup(self) -> None:
         """Learn every rank's devices, agree on a data seed, check the ranks agree (blocking)."""
-        self.header(SETUP)  # a rank that fails before this point is heard of here
+        # Every rank's first exchange for this trainer. Its header holds the fixed fields alone
+        # (see __init__): a rank that meets it from another exchange, of a trainer that joined
+        # earlier, sends a longer header, which gloo refuses by aborting a process (a trainer
+        # rebuilt on one rank only; see docs/distributed.md's limits).
+        self.header(SETUP)
         fingerprint = f"{self._fingerprint} packed={self._packable()}"
         mine = (self.devices, fingerprint, int(torch.randint(0, 2**62, ()).item()))
         gathered: list[Any] = [None] * self.world_size

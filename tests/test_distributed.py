@@ -524,14 +524,17 @@ def test_ranks_whose_devices_differ_are_refused_on_every_rank(
     assert seconds < 30
 
 
+@pytest.mark.parametrize("exchange", ["packed", "apart"])
 @pytest.mark.parametrize("difference", ["wider", "deeper", "float64"])
 def test_ranks_whose_models_differ_are_refused_on_every_rank(
-    tmp_path: Path, difference: str
+    tmp_path: Path, difference: str, exchange: str
 ) -> None:
     # Refused by the set-up's check, with what differs, on both ranks: not by gloo, whose
     # all-reduces of different sizes abort a process (a header's size depends on the model:
     # its parameters, and a small model's gradients inside it).
-    reports, codes, seconds = launch(f"model-differs-{difference}", tmp_path, timeout=60)
+    reports, codes, seconds = launch(
+        f"model-differs-{difference}", tmp_path, timeout=60, exchange=exchange
+    )
     assert codes == [0, 0]
     for report in reports:
         assert report is not None

@@ -663,16 +663,31 @@ async def test_a_long_list_of_batches_is_counted_off_the_event_loop(
     monkeypatch.setattr(_ranks, "COUNT_ON_THREAD", 4 if long else 100)
     threads: list[threading.Thread] = []
     count = _ranks.rank_items_total
+    counting, released = threading.Event(), threading.Event()
 
     def spy(data: Any, rank: int, world_size: int) -> int | None:
         threads.append(threading.current_thread())
+        if long:  # the event loop must run meanwhile: a task on it lets the count go on
+            released.clear()
+            counting.set()
+            assert released.wait(10), "the event loop was blocked while the list was counted"
         return count(data, rank, world_size)
+
+    async def release() -> None:
+        while True:
+            if counting.is_set():
+                counting.clear()
+                released.set()
+            await anyio.sleep(0.001)
 
     monkeypatch.setattr(_ranks, "rank_items_total", spy)
     batches = make_batches([5, 5, 3, 4, 2, 6])
     trainer = Trainer(make_model(), SGD, loss_step, devices="cpu", progress_bar=False)
     stream = trainer.events()
-    await trainer.fit(batches, epochs=2)
+    async with anyio.create_task_group() as group:
+        group.start_soon(release)
+        await trainer.fit(batches, epochs=2)
+        group.cancel_scope.cancel()
     events = [event async for event in stream]
     assert isinstance(events[0], FitStarted)
     assert events[0].items_total == 25
