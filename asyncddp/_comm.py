@@ -239,7 +239,10 @@ class Comm:
         fingerprint = f"{self._fingerprint} packed={self._packable()}"
         mine = (self.devices, fingerprint, int(torch.randint(0, 2**62, ()).item()))
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, mine)
+        try:
+            dist.all_gather_object(gathered, mine)
+        except RuntimeError as error:
+            raise self.lost(error) from error
         self.rank_devices = [tuple(devices) for devices, _, _ in gathered]
         self.data_seed = int(gathered[0][2])
         kinds = [{device.type for device in devices} for devices in self.rank_devices]

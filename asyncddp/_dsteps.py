@@ -141,7 +141,15 @@ class DistributedSteps(Steps):
         )
         comm = Comm(self.devices, len(params), fingerprint)
         comm.layout = bucket_layout(params, len(self.devices))
-        _, cancellation = await collective(comm.setup)
+        try:
+            _, cancellation = await collective(comm.setup)
+        except BaseException as error:
+            lost = _comm.find(error, _comm.RankLost)
+            if lost is None:
+                raise
+            # A rank gone before it joined (it died building its model, say): named, as a
+            # rank lost later is (see _across_ranks, which needs the joined self._comm).
+            raise comm.lost_error(lost, step=self.global_step, epoch=self.epoch) from lost
         self._comm = comm
         self._from_rank_0 = False  # the first fit or validate session takes rank 0's model
         self._items_ref = None  # every rank must weight counted items alike: from 1 again

@@ -412,6 +412,19 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
             report["error"] = None
         except asyncddp.ConfigurationError as error:
             report["error"] = str(error)
+    elif scenario == "dies-before-joining":  # rank 1 dies building its model, say
+        if rank == 1:
+            os._exit(3)
+        t = trainer(1)
+        started = time.monotonic()
+        try:
+            await t.fit(batches(), epochs=1)
+            report["error"] = None
+        except asyncddp.WorkerFailedError as error:
+            report["error"] = str(error)
+            report["error_rank"] = error.rank
+            report["error_type"] = error.error_type
+            report["seconds"] = time.monotonic() - started
     elif scenario.startswith("model-differs-"):  # rank 1's model: wider, deeper, or float64
         net = model()
         if rank == 1 and scenario.endswith("wider"):

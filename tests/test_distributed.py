@@ -524,6 +524,19 @@ def test_ranks_whose_devices_differ_are_refused_on_every_rank(
     assert seconds < 30
 
 
+def test_a_rank_that_dies_before_joining_is_named_by_the_others(tmp_path: Path) -> None:
+    # Lost while the trainers meet for the first time: a WorkerFailedError naming the rank, as
+    # later in training, not the internal RankLost it was.
+    reports, codes, _ = launch("dies-before-joining", tmp_path, timeout=60)
+    assert codes[1] == 3
+    report = reports[0]
+    assert report is not None
+    assert report["error"] is not None
+    assert (report["error_rank"], report["error_type"]) == (1, "ProcessLost")
+    assert "rank 1 stopped answering" in report["error"]
+    assert report["seconds"] < 30
+
+
 @pytest.mark.parametrize("exchange", ["packed", "apart"])
 @pytest.mark.parametrize("difference", ["wider", "deeper", "float64"])
 def test_ranks_whose_models_differ_are_refused_on_every_rank(
