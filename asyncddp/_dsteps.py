@@ -124,11 +124,6 @@ class DistributedSteps(Steps):
             return
         if not distributed.is_initialized():
             return
-        if self.on_failure != "raise":
-            raise ConfigurationError(
-                f"on_failure={self.on_failure!r} is not supported across processes yet: a "
-                "failed rank makes every rank raise (on_failure='raise')"
-            )
         model = self._source_model()
         params = [p for p in model.parameters() if p.requires_grad]
         frozen = [(tuple(p.shape), p.dtype) for p in model.parameters() if not p.requires_grad]
@@ -136,6 +131,7 @@ class DistributedSteps(Steps):
             f"params={[(tuple(p.shape), p.dtype) for p in params]} devices={len(self.devices)} "
             f"accumulate={self.accumulate_grad_batches} split={self.split_batches} "
             f"clip={self.gradient_clip_val} scaler={self._scaler is not None} "
+            f"on_failure={self.on_failure} "
             f"buffers={[(tuple(b.shape), b.dtype) for b in model.buffers()]} "
             f"frozen={frozen}"
         )
@@ -150,6 +146,14 @@ class DistributedSteps(Steps):
             # A rank gone before it joined (it died building its model, say): named, as a
             # rank lost later is (see _across_ranks, which needs the joined self._comm).
             raise comm.lost_error(lost, step=self.global_step, epoch=self.epoch) from lost
+        if self.on_failure != "raise":
+            # Refused after the set-up, which every rank reaches (and which refuses ranks that
+            # differ in it): refused before it on some ranks only, the others would wait in it
+            # for the process group's timeout.
+            raise ConfigurationError(
+                f"on_failure={self.on_failure!r} is not supported across processes yet: a "
+                "failed rank makes every rank raise (on_failure='raise')"
+            )
         self._comm = comm
         self._from_rank_0 = False  # the first fit or validate session takes rank 0's model
         self._items_ref = None  # every rank must weight counted items alike: from 1 again

@@ -412,6 +412,14 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
             report["error"] = None
         except asyncddp.ConfigurationError as error:
             report["error"] = str(error)
+    elif scenario.startswith("on-failure-"):  # "drop" on rank 1, or on both ranks
+        both = scenario == "on-failure-both"
+        t = trainer(1, on_failure="drop" if rank == 1 or both else "raise")
+        try:
+            await t.fit(batches(), epochs=1)
+            report["error"] = None
+        except asyncddp.ConfigurationError as error:
+            report["error"] = str(error)
     elif scenario == "dies-before-joining":  # rank 1 dies building its model, say
         if rank == 1:
             os._exit(3)

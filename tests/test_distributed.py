@@ -524,6 +524,26 @@ def test_ranks_whose_devices_differ_are_refused_on_every_rank(
     assert seconds < 30
 
 
+@pytest.mark.parametrize(
+    ("scenario", "expected"),
+    [
+        ("on-failure-both", "on_failure='drop' is not supported across processes yet"),
+        ("on-failure-rank-1", "ranks [1] build a different trainer from rank 0"),
+    ],
+)
+def test_on_failure_other_than_raise_is_refused_on_every_rank(
+    tmp_path: Path, scenario: str, expected: str
+) -> None:
+    # Refused on every rank, at once: a rank refusing it alone, before the ranks meet, left
+    # the others waiting for the process group's timeout.
+    reports, codes, seconds = launch(scenario, tmp_path, timeout=60)
+    assert codes == [0, 0]
+    for report in reports:
+        assert report is not None
+        assert expected in report["error"]
+    assert seconds < 30
+
+
 def test_a_rank_that_dies_before_joining_is_named_by_the_others(tmp_path: Path) -> None:
     # Lost while the trainers meet for the first time: a WorkerFailedError naming the rank, as
     # later in training, not the internal RankLost it was.
