@@ -226,6 +226,7 @@ class Comm:
         # fixed fields alone: its size must not depend on what the ranks may disagree about
         # (the parameters, the packing), or the first collective would fail in gloo, not here.
         self._agreed = False
+        self._packed = False  # see packed(): decided once the ranks agreed
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -236,7 +237,8 @@ class Comm:
         # earlier, sends a longer header, which gloo refuses by aborting a process (a trainer
         # rebuilt on one rank only; see docs/distributed.md's limits).
         self.header(SETUP)
-        fingerprint = f"{self._fingerprint} packed={self._packable()}"
+        packable = self._packable()
+        fingerprint = f"{self._fingerprint} packed={packable}"
         mine = (self.devices, fingerprint, int(torch.randint(0, 2**62, ()).item()))
         gathered: list[Any] = [None] * self.world_size
         try:
@@ -264,6 +266,7 @@ class Comm:
                 f"{gathered[0][1]}); every rank must run the same model and Trainer arguments"
             )
         self._agreed = True
+        self._packed = packable  # every rank's, as the fingerprints agree
 
     # -- the header --------------------------------------------------------------------------
 
@@ -334,7 +337,7 @@ class Comm:
         then every header has room for them (zeros when it carries none), so that a rank that
         announces a failure sends what the others' exchange has, whichever it is. Only once
         :meth:`setup` found every rank alike."""
-        return self._agreed and self._packable()
+        return self._packed
 
     def _packable(self) -> bool:
         return (
