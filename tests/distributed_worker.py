@@ -38,6 +38,15 @@ async def outcome(fit: Any) -> Any:
     return None
 
 
+async def refusal(fit: Any) -> str | None:
+    """How an awaited fit ended: None, or the message of the ConfigurationError that refused it."""
+    try:
+        await fit
+    except asyncddp.ConfigurationError as error:
+        return str(error)
+    return None
+
+
 def this_step() -> int:
     """The number of the step a step function runs in, as the scheduler numbered it."""
     ctx = asyncddp.current_worker()
@@ -407,19 +416,11 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         report["validate"] = await t.validate(batches(5, 10))
     elif scenario == "mixed-devices":  # rank 0 has one device, rank 1 two
         t = trainer(1 + rank)
-        try:
-            await t.fit(batches(), epochs=1)
-            report["error"] = None
-        except asyncddp.ConfigurationError as error:
-            report["error"] = str(error)
+        report["error"] = await refusal(t.fit(batches(), epochs=1))
     elif scenario.startswith("on-failure-"):  # "drop" on rank 1, or on both ranks
         both = scenario == "on-failure-both"
         t = trainer(1, on_failure="drop" if rank == 1 or both else "raise")
-        try:
-            await t.fit(batches(), epochs=1)
-            report["error"] = None
-        except asyncddp.ConfigurationError as error:
-            report["error"] = str(error)
+        report["error"] = await refusal(t.fit(batches(), epochs=1))
     elif scenario == "dies-before-joining":  # rank 1 dies building its model, say
         if rank == 1:
             os._exit(3)
@@ -449,11 +450,7 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         data = (
             [(x.double(), y) for x, y in batches()] if scenario.endswith("float64") else batches()
         )
-        try:
-            await t.fit(data if rank == 1 else batches(), epochs=1)
-            report["error"] = None
-        except asyncddp.ConfigurationError as error:
-            report["error"] = str(error)
+        report["error"] = await refusal(t.fit(data if rank == 1 else batches(), epochs=1))
     elif scenario == "mixed-kinds":  # rank 1 trains on a GPU (pretended: refused before use)
         if rank == 1:
             asyncddp._devices._cuda_device_count = lambda: 1  # type: ignore[attr-defined]
@@ -465,11 +462,7 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
             progress_bar=False,
             pin_memory=False,
         )
-        try:
-            await t.fit(batches(), epochs=1)
-            report["error"] = None
-        except asyncddp.ConfigurationError as error:
-            report["error"] = str(error)
+        report["error"] = await refusal(t.fit(batches(), epochs=1))
     elif scenario == "raise-twice":  # both ranks fit again after a failure; it comes again
 
         def fails(model: torch.nn.Module, batch: Any) -> Any:
@@ -570,12 +563,8 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         report["global_step"] = t.global_step
         report["validate"] = await t.validate(batches(5, 10))
     elif scenario == "resume-other-world":  # mid-epoch states of another number of processes
-        t = trainer(1)
-        try:  # stopped in mid-epoch by one process (the test's)
-            await t.fit(batches(40, 8), epochs=1, resume=out / "one.ckpt")
-            report["error"] = None
-        except asyncddp.ConfigurationError as error:
-            report["error"] = str(error)
+        t = trainer(1)  # refused: stopped in mid-epoch by one process (the test's)
+        report["error"] = await refusal(t.fit(batches(40, 8), epochs=1, resume=out / "one.ckpt"))
         t = trainer(1)
 
         async def stop_at_step_2() -> None:
