@@ -48,7 +48,7 @@ import datetime
 import math
 import pickle
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -282,12 +282,18 @@ class Comm:
         used: Sequence[bool] | None = None,
         buckets: Sequence[torch.Tensor] = (),
         counted: bool = False,
+        meanwhile: Callable[[], None] | None = None,
     ) -> Global:
         """One exchange's header (blocking). Raises :class:`PeerFailed` if a rank failed.
 
         ``buckets`` (a step's gradients, laid out as :attr:`layout`) are summed over the ranks
         in place at the same time, so the header costs no round trip of its own; when a rank
         failed their sums are meaningless, and dropped.
+
+        ``meanwhile`` is called once the all-reduces are started, before waiting for them
+        (work that needs neither their result nor the tensors they write). If it raises, the
+        exchange still completes, and its error is raised after the header is read (a
+        failure another rank announced in the header comes first).
         """
         metrics = metrics or {}
         new = [name for name in metrics if name not in self.names]
@@ -296,14 +302,15 @@ class Comm:
         row[_COUNTED] = float(counted)
         size = len(row)
         values = self._header_tensor(row, buckets)
+        failed: list[Exception] = []
         if self.packed():
-            self._all_reduce(values)
+            self._all_reduce(values, meanwhile=meanwhile, failed=failed)
             offset = size
             for bucket in buckets:
                 bucket.view(-1).copy_(values[offset : offset + bucket.numel()])
                 offset += bucket.numel()
         else:
-            self._all_reduce(values, buckets)
+            self._all_reduce(values, buckets, meanwhile=meanwhile, failed=failed)
         # Read back once, as Python floats: each read of a tensor element is a torch call.
         row = values[:size].tolist()
         if row[_BUCKETS] > 0 and not buckets and not self.packed():
@@ -318,6 +325,8 @@ class Comm:
             )
         if row[_NEW] > 0:
             row += self._register(new, metrics)
+        if failed:
+            raise failed[0]
         n = self.params if self._agreed else 0
         pairs = row[_FIXED + n :]
         return Global(
@@ -490,11 +499,29 @@ class Comm:
             raise self.lost(error) from error
         return [f for f in gathered if isinstance(f, Failure)]
 
-    def _all_reduce(self, values: torch.Tensor, buckets: Sequence[torch.Tensor] = ()) -> None:
-        """Sum ``values`` (a header, on the CPU) and ``buckets`` over the ranks, in place."""
+    def _all_reduce(
+        self,
+        values: torch.Tensor,
+        buckets: Sequence[torch.Tensor] = (),
+        *,
+        meanwhile: Callable[[], None] | None = None,
+        failed: list[Exception] | None = None,
+    ) -> None:
+        """Sum ``values`` (a header, on the CPU) and ``buckets`` over the ranks, in place.
+
+        ``meanwhile`` runs between starting the all-reduces and waiting for them; its error
+        goes into ``failed`` (the collectives are waited for all the same).
+        """
         sent = values.to(self._wire)  # the tensor itself when it is there already (gloo)
         try:
-            for work in self._issue([sent, *buckets]):
+            works = self._issue([sent, *buckets])
+            if meanwhile is not None:
+                try:
+                    meanwhile()
+                except Exception as error:
+                    assert failed is not None, "meanwhile without a list for its error"
+                    failed.append(error)
+            for work in works:
                 work.wait()
         except RuntimeError as error:
             raise self.lost(error) from error

@@ -482,14 +482,34 @@ class Jobs:
         replica = self.replicas[ctx.device.index]
         assert not replica.grads.loose, "a replica in a process group exchanges flat buffers"
         used = [bool(local.used >> i & 1) for i in range(len(replica.params))]
+        back_up = None
+        if apply.atomic and replica.device.type == "cpu":
+            # The backup, copied while this rank waits for the others' gradients: the
+            # parameters and the optimizer's state are as they will be when it steps (the
+            # exchange writes gradients and buffers only), and the core would idle meanwhile.
+            # Not on a GPU, where the copy is the device's work and would come before the
+            # header's read. A step that no rank takes leaves it unused: the backup is only
+            # restored when this step is undone.
+            def back_up() -> None:
+                try:
+                    replica.backup.capture(replica.params, replica.optimizer, replica.scheduler)
+                except BaseException as exc:
+                    with contextlib.suppress(Exception):  # raised once the exchange is done
+                        exc._asyncddp_phase = "optimizer"  # type: ignore[attr-defined]
+                    raise
+                apply_now[0] = dataclasses.replace(apply, atomic=False)  # backed up
+
+        apply_now = [apply]
         result, coefficient, _ = exchange_gradients(
-            comm, local, used, replica.grads.buffers, replica.buffers, exchange
+            comm, local, used, replica.grads.buffers, replica.buffers, exchange, back_up
         )
         if result.items == 0:  # no rank had data: no step
             return result, replica.lr()
         unused = result.unused
         try:
-            lr = self.apply(ctx, dataclasses.replace(apply, coefficient=coefficient, unused=unused))
+            lr = self.apply(
+                ctx, dataclasses.replace(apply_now[0], coefficient=coefficient, unused=unused)
+            )
         except BaseException as exc:
             with contextlib.suppress(Exception):  # tells the trainer which phase failed
                 exc._asyncddp_phase = "optimizer"  # type: ignore[attr-defined]
@@ -569,10 +589,12 @@ def exchange_gradients(
     buckets: list[torch.Tensor],
     buffers: list[torch.Tensor],
     work: ExchangeWork,
+    meanwhile: Callable[[], None] | None = None,
 ) -> tuple[Global, float, bool]:
     """The step's exchange (blocking): the header and the gradients together, then rank 0's
     model ``buffers`` if any rank had data (the first replica's; the others copy them in the
-    step).
+    step). ``meanwhile`` runs while the header's all-reduces are in flight (see
+    :meth:`Comm.header`).
 
     Returns the global sums, the coefficient to multiply the summed gradients by (the mean
     over items, the loss scale undone, clipping), and whether they are all finite.
@@ -587,6 +609,7 @@ def exchange_gradients(
         used=used,
         buckets=buckets,  # summed at the same time as the header
         counted=local.counted,
+        meanwhile=meanwhile,
     )
     if 0 < result.counted < result.active:
         raise StepOutputError(

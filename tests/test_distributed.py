@@ -1015,3 +1015,98 @@ def test_a_step_as_large_as_the_last_takes_no_pass_to_scale_its_reduced_gradient
     anyio.run(functools.partial(expected.fit, data, epochs=1))
     for mine, theirs in zip(trainer.model.parameters(), expected.model.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("exchange", ["packed", "apart"])
+def test_the_step_backup_is_copied_while_the_gradients_are_exchanged(
+    monkeypatch: pytest.MonkeyPatch, exchange: str
+) -> None:
+    # With one CPU device per rank, the copy that undoes a failed step is taken while the
+    # rank waits for the others' gradients (the parameters and optimizer state do not change
+    # in the exchange), not after it on the step's own time. A one-process gloo group.
+    import anyio
+    import torch.distributed as dist
+
+    from asyncddp import _comm, _sync
+
+    if exchange == "apart":
+        monkeypatch.setattr(_comm, "PACK_ELEMENTS", 0)
+    events: list[str] = []
+    issue, capture = _comm.Comm._issue, _sync.StepBackup.capture
+
+    class Work:
+        def __init__(self, work: Any) -> None:
+            self.work = work
+
+        def wait(self) -> Any:
+            events.append("wait")
+            return self.work.wait()
+
+    def spied_issue(self: Any, tensors: Any) -> list[Any]:
+        events.append("issue")
+        return [Work(work) for work in issue(self, tensors)]
+
+    def spied_capture(self: Any, *args: Any, **kwargs: Any) -> None:
+        events.append("capture")
+        capture(self, *args, **kwargs)
+
+    monkeypatch.setattr(_comm.Comm, "_issue", spied_issue)
+    monkeypatch.setattr(_sync.StepBackup, "capture", spied_capture)
+    data = worker.batches(4)
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        trainer = one_device_trainer(0)
+        anyio.run(functools.partial(trainer.fit, data, epochs=1))
+        assert trainer._comm is not None
+        assert trainer._comm.packed() == (exchange == "packed")
+    finally:
+        dist.destroy_process_group()
+    at = [i for i, event in enumerate(events) if event == "capture"]
+    # One for each of the 4 steps, and one for the exchange after the last batch, where the
+    # rank learns that no rank has more (had another one data, that would be a step).
+    assert len(at) == 5, " ".join(events)
+    for i in at:
+        assert events[i - 1 : i + 2] == ["issue", "capture", "wait"], " ".join(events)
+    expected = one_device_trainer(0)
+    anyio.run(functools.partial(expected.fit, data, epochs=1))
+    for mine, theirs in zip(trainer.model.parameters(), expected.model.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-6)
+
+
+def test_a_backup_that_fails_during_the_exchange_fails_the_step_before_it_is_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The backup is copied while the exchange is in flight; if the copy raises, the exchange
+    # still completes (the other ranks are in it), then the step fails in its optimizer phase
+    # without being taken: the model is the one the step before it left.
+    import anyio
+    import torch.distributed as dist
+
+    from asyncddp import _sync
+
+    capture = _sync.StepBackup.capture
+    calls = [0]
+
+    def failing(self: Any, *args: Any, **kwargs: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise MemoryError("no room for the backup")
+        capture(self, *args, **kwargs)
+
+    monkeypatch.setattr(_sync.StepBackup, "capture", failing)
+    data = worker.batches(4)
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        trainer = one_device_trainer(0)
+        with pytest.raises(asyncddp.WorkerFailedError) as caught:
+            anyio.run(functools.partial(trainer.fit, data, epochs=1))
+    finally:
+        dist.destroy_process_group()
+    error = caught.value
+    assert (error.rank, error.phase, error.step) == (0, "optimizer", 1)
+    assert isinstance(error.__cause__, MemoryError)
+    assert trainer.global_step == 1
+    expected = one_device_trainer(0)
+    anyio.run(functools.partial(expected.fit, data[:1], epochs=1))
+    for mine, theirs in zip(trainer.model.parameters(), expected.model.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-6)
