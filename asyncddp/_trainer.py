@@ -144,8 +144,9 @@ class Trainer(Resumable):
             a step that fails on any device is undone on every device. Costs one copy of both per
             device; two for one CPU device in one process (there the next step's copy is made
             ahead, while the event loop handles a step's results, so the step does not wait for
-            it); turn off to save memory (a failure in the optimizer step then leaves the
-            replicas unusable until ``load_state_dict``).
+            it). Across processes with one CPU device each, the copy is made while the rank
+            waits for the others' gradients. Turn off to save memory (a failure in the
+            optimizer step then leaves the replicas unusable until ``load_state_dict``).
         checkpoint_dir: Where ``fit`` writes a checkpoint after every epoch; ``None`` for none.
         progress_bar: Show a progress bar (tqdm's, which also renders in notebooks); by default
             when the output is a terminal or a notebook.

@@ -36,8 +36,9 @@ DDP's is wall time a step more. The CPU a step splits by thread: the thread that
 threads, the event loop's, the rest (``throughput.cpu_by_thread``).
 
 ``--phases`` times the phases of asyncddp's step on rank 0's worker (the forward and backward,
-the exchange, the optimizer phase with its backup), on the wall clock and on the thread's CPU
-clock, then gloo's all-reduce of as many floats as the gradients, alone.
+the exchange with the backup copied while its all-reduces run, the optimizer phase), on the wall
+clock and on the thread's CPU clock, then gloo's all-reduce of as many floats as the gradients,
+alone.
 """
 
 from __future__ import annotations
@@ -128,8 +129,8 @@ PHASES = {
     "the step's job": (_jobs.Jobs, "distributed_step"),
     "  forward and backward": (_jobs.Jobs, "train"),
     "  exchange (the all-reduces)": (_comm.Comm, "_all_reduce"),
+    "    backup (atomic_steps), while they run": (_sync.StepBackup, "capture"),
     "  optimizer phase": (_jobs.Jobs, "apply"),
-    "    backup (atomic_steps)": (_sync.StepBackup, "capture"),
     "    SGD's step": (torch.optim.SGD, "step"),
 }
 
