@@ -291,9 +291,10 @@ class Comm:
         failed their sums are meaningless, and dropped.
 
         ``meanwhile`` is called once the all-reduces are started, before waiting for them
-        (work that needs neither their result nor the tensors they write). If it raises, the
-        exchange still completes, and its error is raised after the header is read (a
-        failure another rank announced in the header comes first).
+        (work that needs neither their result nor the tensors they write). It must not raise:
+        the ranks' later collectives (this exchange's and the step's) must still meet, so a
+        failure in it is for the caller to keep and raise once they are done. If it raises
+        anyway, the all-reduces are waited for before its error goes on.
         """
         metrics = metrics or {}
         new = [name for name in metrics if name not in self.names]
@@ -302,15 +303,14 @@ class Comm:
         row[_COUNTED] = float(counted)
         size = len(row)
         values = self._header_tensor(row, buckets)
-        failed: list[Exception] = []
         if self.packed():
-            self._all_reduce(values, meanwhile=meanwhile, failed=failed)
+            self._all_reduce(values, meanwhile=meanwhile)
             offset = size
             for bucket in buckets:
                 bucket.view(-1).copy_(values[offset : offset + bucket.numel()])
                 offset += bucket.numel()
         else:
-            self._all_reduce(values, buckets, meanwhile=meanwhile, failed=failed)
+            self._all_reduce(values, buckets, meanwhile=meanwhile)
         # Read back once, as Python floats: each read of a tensor element is a torch call.
         row = values[:size].tolist()
         if row[_BUCKETS] > 0 and not buckets and not self.packed():
@@ -325,8 +325,6 @@ class Comm:
             )
         if row[_NEW] > 0:
             row += self._register(new, metrics)
-        if failed:
-            raise failed[0]
         n = self.params if self._agreed else 0
         pairs = row[_FIXED + n :]
         return Global(
@@ -505,24 +503,21 @@ class Comm:
         buckets: Sequence[torch.Tensor] = (),
         *,
         meanwhile: Callable[[], None] | None = None,
-        failed: list[Exception] | None = None,
     ) -> None:
         """Sum ``values`` (a header, on the CPU) and ``buckets`` over the ranks, in place.
 
-        ``meanwhile`` runs between starting the all-reduces and waiting for them; its error
-        goes into ``failed`` (the collectives are waited for all the same).
+        ``meanwhile`` runs between starting the all-reduces and waiting for them (see
+        :meth:`header`).
         """
         sent = values.to(self._wire)  # the tensor itself when it is there already (gloo)
         try:
             works = self._issue([sent, *buckets])
-            if meanwhile is not None:
-                try:
+            try:
+                if meanwhile is not None:
                     meanwhile()
-                except Exception as error:
-                    assert failed is not None, "meanwhile without a list for its error"
-                    failed.append(error)
-            for work in works:
-                work.wait()
+            finally:  # never leave the collectives writing into tensors the caller reuses
+                for work in works:
+                    work.wait()
         except RuntimeError as error:
             raise self.lost(error) from error
         if sent is not values:

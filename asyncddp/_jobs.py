@@ -483,6 +483,8 @@ class Jobs:
         assert not replica.grads.loose, "a replica in a process group exchanges flat buffers"
         used = [bool(local.used >> i & 1) for i in range(len(replica.params))]
         back_up = None
+        apply_now: list[ApplyWork] = [apply]
+        failed: list[BaseException] = []  # the backup's error
         if apply.atomic and replica.device.type == "cpu":
             # The backup, copied while this rank waits for the others' gradients: the
             # parameters and the optimizer's state are as they will be when it steps (the
@@ -493,16 +495,22 @@ class Jobs:
             def back_up() -> None:
                 try:
                     replica.backup.capture(replica.params, replica.optimizer, replica.scheduler)
-                except BaseException as exc:
-                    with contextlib.suppress(Exception):  # raised once the exchange is done
-                        exc._asyncddp_phase = "optimizer"  # type: ignore[attr-defined]
-                    raise
-                apply_now[0] = dataclasses.replace(apply, atomic=False)  # backed up
+                except BaseException as exc:  # raised once the step's exchange is done
+                    failed.append(exc)
+                else:
+                    apply_now[0] = dataclasses.replace(apply, atomic=False)  # backed up
 
-        apply_now = [apply]
         result, coefficient, _ = exchange_gradients(
             comm, local, used, replica.grads.buffers, replica.buffers, exchange, back_up
         )
+        if failed:
+            # Every collective of the step is done (the header's, the buffers' broadcast), so
+            # the ranks stay in step: the others take this step, this one fails before it,
+            # and they hear of it at their next exchange (as of an optimizer step that fails).
+            error = failed[0]
+            with contextlib.suppress(Exception):  # tells the trainer which phase failed
+                error._asyncddp_phase = "optimizer"  # type: ignore[attr-defined]
+            raise error
         if result.items == 0:  # no rank had data: no step
             return result, replica.lr()
         unused = result.unused

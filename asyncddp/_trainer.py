@@ -145,7 +145,8 @@ class Trainer(Resumable):
             device; two for one CPU device in one process (there the next step's copy is made
             ahead, while the event loop handles a step's results, so the step does not wait for
             it). Across processes with one CPU device each, the copy is made while the rank
-            waits for the others' gradients. Turn off to save memory (a failure in the
+            waits for the others' gradients (not with a ``step_timeout`` or loss scaling,
+            whose exchange runs apart). Turn off to save memory (a failure in the
             optimizer step then leaves the replicas unusable until ``load_state_dict``).
         checkpoint_dir: Where ``fit`` writes a checkpoint after every epoch; ``None`` for none.
         progress_bar: Show a progress bar (tqdm's, which also renders in notebooks); by default

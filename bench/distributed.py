@@ -129,7 +129,7 @@ PHASES = {
     "the step's job": (_jobs.Jobs, "distributed_step"),
     "  forward and backward": (_jobs.Jobs, "train"),
     "  exchange (the all-reduces)": (_comm.Comm, "_all_reduce"),
-    "    backup (atomic_steps), while they run": (_sync.StepBackup, "capture"),
+    "    backup, while they run": (_sync.StepBackup, "capture"),
     "  optimizer phase": (_jobs.Jobs, "apply"),
     "    SGD's step": (torch.optim.SGD, "step"),
 }

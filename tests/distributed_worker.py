@@ -253,6 +253,39 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         report["params"] = [p.detach().clone() for p in t.model.parameters()]
         report["before"] = seen[FAIL_AT]
         report["global_step"] = t.global_step
+    elif scenario == "backup-raises":  # rank 1's step backup fails, in the step's exchange
+        # A model with buffers: the exchange ends with their broadcast, a collective that the
+        # failing rank must still join, or the others wait in it.
+        from asyncddp import _sync
+
+        capture, calls = _sync.StepBackup.capture, [0]
+
+        def failing(self: Any, *args: Any, **kwargs: Any) -> None:
+            calls[0] += 1
+            if rank == 1 and calls[0] == FAIL_AT:
+                raise MemoryError("injected: no room for the step's backup on rank 1")
+            capture(self, *args, **kwargs)
+
+        _sync.StepBackup.capture = failing  # type: ignore[method-assign]
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(
+            torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 3)
+        )
+        t = asyncddp.Trainer(
+            net,
+            functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
+            step,
+            devices="cpu",
+            progress_bar=False,
+        )
+        started = time.monotonic()
+        try:
+            await t.fit(batches(40, 8), epochs=1)
+            report["error"] = None
+        except asyncddp.WorkerFailedError as error:
+            report["error"] = (error.rank, error.phase, error.error_type)
+        report["seconds"] = time.monotonic() - started
+        report["global_step"] = t.global_step
     elif scenario == "cancel-in-join":
         # Rank 1's first fit is cancelled while it waits for rank 0 (late) to join; then both
         # ranks fit again, to the end. (Found by review: the cancelled rank used to skip the

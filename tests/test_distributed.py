@@ -459,6 +459,28 @@ def test_an_optimizer_step_that_fails_on_a_rank_is_undone_there(tmp_path: Path) 
         assert torch.equal(now, before)
 
 
+@pytest.mark.parametrize("exchange", ["packed", "apart"])
+def test_a_step_backup_that_fails_on_a_rank_fails_every_rank_within_seconds(
+    tmp_path: Path, exchange: str
+) -> None:
+    # The backup is copied while the step's all-reduces run. When it fails on rank 1, rank 1
+    # still joins the rest of the step's exchange (here the broadcast of BatchNorm's
+    # statistics), then fails before stepping; rank 0 takes the step and hears of the failure
+    # at its next exchange. Neither waits for the process group's timeout (120 s here).
+    reports, codes, _ = launch("backup-raises", tmp_path, timeout=100, exchange=exchange)
+    assert codes == [0, 0]
+    first, second = reports
+    assert first is not None
+    assert second is not None
+    assert second["error"] == (1, "optimizer", "MemoryError")
+    assert second["global_step"] == worker.FAIL_AT - 1
+    assert first["error"] is not None
+    assert (first["error"][0], first["error"][2]) == (1, "MemoryError")
+    assert first["global_step"] == worker.FAIL_AT
+    for report in (first, second):
+        assert report["seconds"] < 30
+
+
 def test_checkpoints_saved_during_a_fit_hold_the_step_they_count(tmp_path: Path) -> None:
     # A checkpoint saved from another task while the ranks train must hold the parameters of
     # the step it counts, or a fit resumed from it would train a batch twice or not at all.
