@@ -133,6 +133,21 @@ def trainer(
     )
 
 
+def batchnorm_trainer(devices: int) -> asyncddp.Trainer:
+    """The scenarios' trainer for a model with buffers (BatchNorm's running statistics)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 3)
+    )
+    return asyncddp.Trainer(
+        net,
+        functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
+        step,
+        devices=asyncddp.cpu_devices(devices),
+        progress_bar=False,
+    )
+
+
 async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
     report: dict[str, Any] = {"rank": rank}
     if scenario in ("exact-gpu", "exact-nccl"):  # on cuda:0: 2 ranks over gloo, 1 over NCCL
@@ -267,17 +282,7 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
             capture(self, *args, **kwargs)
 
         _sync.StepBackup.capture = failing  # type: ignore[method-assign]
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(
-            torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 3)
-        )
-        t = asyncddp.Trainer(
-            net,
-            functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
-            step,
-            devices="cpu",
-            progress_bar=False,
-        )
+        t = batchnorm_trainer(1)
         started = time.monotonic()
         try:
             await t.fit(batches(40, 8), epochs=1)
@@ -433,17 +438,7 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         ]
         report["validate"] = await t.validate(batches(5, 10))
     elif scenario.startswith("batchnorm"):  # batchnorm1, batchnorm2: devices per rank
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(
-            torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 3)
-        )
-        t = asyncddp.Trainer(
-            net,
-            functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9),
-            step,
-            devices=asyncddp.cpu_devices(int(scenario[-1])),
-            progress_bar=False,
-        )
+        t = batchnorm_trainer(int(scenario[-1]))
         await t.fit(batches(), epochs=1)
         report["state"] = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
         report["validate"] = await t.validate(batches(5, 10))
