@@ -483,7 +483,6 @@ class Jobs:
         assert not replica.grads.loose, "a replica in a process group exchanges flat buffers"
         used = [bool(local.used >> i & 1) for i in range(len(replica.params))]
         back_up = None
-        apply_now: list[ApplyWork] = [apply]
         failed: list[BaseException] = []  # the backup's error
         if apply.atomic and replica.device.type == "cpu":
             # The backup, copied while this rank waits for the others' gradients: the
@@ -497,26 +496,23 @@ class Jobs:
                     replica.backup.capture(replica.params, replica.optimizer, replica.scheduler)
                 except BaseException as exc:  # raised once the step's exchange is done
                     failed.append(exc)
-                else:
-                    apply_now[0] = dataclasses.replace(apply, atomic=False)  # backed up
 
+            # Backed up in the exchange (which calls back_up, or raises before any step).
+            apply = dataclasses.replace(apply, atomic=False)
         result, coefficient, _ = exchange_gradients(
             comm, local, used, replica.grads.buffers, replica.buffers, exchange, back_up
         )
-        if failed:
-            # Every collective of the step is done (the header's, the buffers' broadcast), so
-            # the ranks stay in step: the others take this step, this one fails before it,
-            # and they hear of it at their next exchange (as of an optimizer step that fails).
-            error = failed[0]
-            with contextlib.suppress(Exception):  # tells the trainer which phase failed
-                error._asyncddp_phase = "optimizer"  # type: ignore[attr-defined]
-            raise error
-        if result.items == 0:  # no rank had data: no step
+        if result.items == 0 and not failed:  # no rank had data: no step
             return result, replica.lr()
-        unused = result.unused
         try:
+            if failed:
+                # Every collective of the step is done (the header's, the buffers'
+                # broadcast), so the ranks stay in step: the others take this step, this one
+                # fails before it, and they hear of it at their next exchange (as of an
+                # optimizer step that fails).
+                raise failed[0]
             lr = self.apply(
-                ctx, dataclasses.replace(apply_now[0], coefficient=coefficient, unused=unused)
+                ctx, dataclasses.replace(apply, coefficient=coefficient, unused=result.unused)
             )
         except BaseException as exc:
             with contextlib.suppress(Exception):  # tells the trainer which phase failed
