@@ -154,9 +154,12 @@ def train(
 
 class StepCopy:
     """A copy of an optimizer's parameters and state tensors into buffers kept between steps:
-    the memory traffic of asyncddp's step backup (``atomic_steps``), with none of its logic."""
+    the memory traffic of asyncddp's step backup (``atomic_steps``), with none of its logic.
+    With ``part=(i, n)``, only the ``i``-th of ``n`` contiguous parts of each tensor's elements,
+    as each of n CPU workers copies its share of identical replicas (the backup in parts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, part: tuple[int, int] = (0, 1)) -> None:
+        self._part = part
         self._buffers: list[torch.Tensor] = []
 
     def copy(self, optimizer: torch.optim.Optimizer) -> None:
@@ -167,17 +170,24 @@ class StepCopy:
             for value in state.values()
             if isinstance(value, torch.Tensor)
         ]
+        index, parts = self._part
+        if parts > 1:
+            sources = [
+                s.view(-1)[index * s.numel() // parts : (index + 1) * s.numel() // parts]
+                for s in sources
+            ]
         if [b.shape for b in self._buffers] != [s.shape for s in sources]:
             self._buffers = [torch.empty_like(s) for s in sources]
         torch._foreach_copy_(self._buffers, sources)
 
 
-async def plain(make: Callable[[], nn.Module], batches: list[Any]) -> float:
-    """The plain loop in this thread (no hand-off): a warm-up pass, then a timed one."""
+async def plain(make: Callable[[], nn.Module], batches: list[Any], backup: bool = False) -> float:
+    """The plain loop in this thread (no hand-off): a warm-up pass, then a timed one; with
+    ``backup``, each step copies the parameters and optimizer state first (:class:`StepCopy`)."""
     torch.manual_seed(0)
     model = make()
     optimizer = SGD(model.parameters())
-    seconds, _ = await _timed_pass(model, optimizer, batches, False, lambda: None)
+    seconds, _ = await _timed_pass(model, optimizer, batches, False, lambda: None, backup=backup)
     return len(batches) * BATCH / seconds
 
 
@@ -292,14 +302,15 @@ def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None
 
 
 async def handed_off(
-    make: Callable[[], nn.Module], batches: list[Any], ahead: bool = False
+    make: Callable[[], nn.Module], batches: list[Any], ahead: bool = False, backup: bool = False
 ) -> float:
     """The plain loop's steps on a worker thread, awaited on the event loop one by one (with
-    ``ahead``, each queued behind the running one)."""
+    ``ahead``, each queued behind the running one; with ``backup``, each copying the parameters
+    and optimizer state before its optimizer step, as ``atomic_steps`` does)."""
     torch.manual_seed(0)
     model = make()
     optimizer = SGD(model.parameters())
-    seconds, _ = await _timed_pass(model, optimizer, batches, True, lambda: None, ahead)
+    seconds, _ = await _timed_pass(model, optimizer, batches, True, lambda: None, ahead, backup)
     return len(batches) * BATCH / seconds
 
 
@@ -344,11 +355,17 @@ def _on_two_threads(
 
 
 async def by_hand(
-    make: Callable[[], nn.Module], batches: list[Any], handoff: bool, ahead: bool = False
+    make: Callable[[], nn.Module],
+    batches: list[Any],
+    handoff: bool,
+    ahead: bool = False,
+    backup: bool = False,
 ) -> float:
     """Samples per second of a whole 2-way data-parallel step written by hand (see above); with
     ``handoff``, each step handed from the event loop to the two threads and awaited (with
-    ``ahead``, each queued behind the running one)."""
+    ``ahead``, each queued behind the running one; with ``backup``, each thread copying its
+    half of its replica's parameters and optimizer state before the optimizer step, as
+    asyncddp's ``atomic_steps`` does on 2 CPU workers)."""
     torch.manual_seed(0)
     models = [make() for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
@@ -366,6 +383,7 @@ async def by_hand(
     chunks = [slice(0, half), slice(half, None)]
     shards = halved(batches)
     barrier = threading.Barrier(2, timeout=60)  # a thread that fails breaks it for the other
+    copies = [StepCopy((i, 2)) for i in range(2)] if backup else None
 
     def one_step(i: int, batch: Any) -> None:
         flats[i].zero_()
@@ -374,6 +392,8 @@ async def by_hand(
         mine, other = flats[i][chunks[i]], flats[1 - i][chunks[i]]
         mine.add_(other)  # thread i sums chunk i of both replicas ...
         other.copy_(mine)  # ... and writes the sum into the other's
+        if copies is not None:
+            copies[i].copy(optimizers[i])
         barrier.wait()
         optimizers[i].step()
 
@@ -617,15 +637,21 @@ def measure_alone(contender: str, workload: str, steps: int) -> float:
 async def measure(contender: str, workload: str, steps: int) -> float:
     make, shape = MODELS[workload]
     batches = make_batches(shape, steps)
-    if contender == "plain":
-        return await plain(make, batches)
-    if contender in ("handoff-1", HANDOFF_AHEAD):
-        return await handed_off(make, batches, ahead=contender == HANDOFF_AHEAD)
+    if contender in ("plain", PLAIN_BACKUP):
+        return await plain(make, batches, backup=contender == PLAIN_BACKUP)
+    if contender in ("handoff-1", HANDOFF_AHEAD, HANDOFF_BACKUP):
+        return await handed_off(
+            make, batches, ahead=contender == HANDOFF_AHEAD, backup=contender == HANDOFF_BACKUP
+        )
     if contender == "halves-2":
         return halves(make, batches)
-    if contender in (BY_HAND, BY_HAND_HANDOFF, BY_HAND_AHEAD):
+    if contender in (BY_HAND, BY_HAND_HANDOFF, BY_HAND_AHEAD, BY_HAND_BACKUP):
         return await by_hand(
-            make, batches, handoff=contender != BY_HAND, ahead=contender == BY_HAND_AHEAD
+            make,
+            batches,
+            handoff=contender != BY_HAND,
+            ahead=contender == BY_HAND_AHEAD,
+            backup=contender == BY_HAND_BACKUP,
         )
     if contender.endswith("-noatomic"):
         return await with_asyncddp(make, batches, int(contender.split("-")[1]), atomic_steps=False)
@@ -643,10 +669,15 @@ BY_HAND_HANDOFF = "by-hand-2-handoff"
 MAIN_TEAM = "asyncddp-1-main-team"
 HANDOFF_AHEAD = "handoff-1-ahead"
 BY_HAND_AHEAD = "by-hand-2-ahead"
-OPT_IN = (HANDOFF_AHEAD, BY_HAND_AHEAD)  # run only when named in --contenders
+PLAIN_BACKUP = "plain-backup"
+HANDOFF_BACKUP = "handoff-1-backup"
+BY_HAND_BACKUP = "by-hand-2-handoff-backup"
+OPT_IN = (HANDOFF_AHEAD, BY_HAND_AHEAD, PLAIN_BACKUP)  # run only when named in --contenders
 CONTENDERS = (
     "plain",
+    PLAIN_BACKUP,
     "handoff-1",
+    HANDOFF_BACKUP,
     "asyncddp-1",
     "asyncddp-1-noatomic",
     FIRST_EPOCH,
@@ -656,8 +687,10 @@ CONTENDERS = (
     "halves-2",
     BY_HAND,
     BY_HAND_HANDOFF,
+    BY_HAND_BACKUP,
     "ddp-gloo-2",
-    *OPT_IN,
+    HANDOFF_AHEAD,
+    BY_HAND_AHEAD,
 )
 
 # What is printed under the figures: (contender, baseline, per_step, note): the ratio of their
@@ -669,11 +702,16 @@ RATIOS = (
     (BY_HAND_HANDOFF, "plain", False, "(the same, each step handed off and awaited)"),
     ("asyncddp-2", BY_HAND_HANDOFF, False, "(asyncddp-2 against that floor)"),
     ("asyncddp-2-noatomic", BY_HAND_HANDOFF, False, "(without the step backup, as the floor)"),
+    (BY_HAND_BACKUP, "plain", False, "(the same, each thread copying its half of the backup)"),
+    ("asyncddp-2", BY_HAND_BACKUP, False, "(asyncddp-2 against that floor of atomic steps)"),
     ("asyncddp-2", "ddp-gloo-2", False, "(target >= 1.5x)"),
     (BY_HAND, "ddp-gloo-2", False, "(the step by hand against DDP)"),
     ("asyncddp-1", "plain", True, "(target <= +3%)"),
     ("asyncddp-1-noatomic", "plain", True, "(no step backup, as the plain loop)"),
     ("handoff-1", "plain", True, "(the floor of a free event loop)"),
+    (HANDOFF_BACKUP, "plain", True, "(the floor of a free event loop and atomic steps)"),
+    ("asyncddp-1", HANDOFF_BACKUP, True, "(asyncddp-1 against that floor)"),
+    (PLAIN_BACKUP, "plain", True, "(the step backup's copy alone, in the plain loop)"),
     (HANDOFF_AHEAD, "handoff-1", True, "(a step queued ahead, against one at a time)"),
     (BY_HAND_AHEAD, BY_HAND_HANDOFF, False, "(a step queued ahead, against one at a time)"),
     (FIRST_EPOCH, "asyncddp-1", True, "(a fit's first epoch: its threads just started)"),
@@ -724,7 +762,7 @@ async def main() -> None:
         median = {key: statistics.median(values) for key, values in figures.items()}
         print(f"\n{name}")
         for key, value in median.items():
-            print(f"  {key:<22} {value:>9.0f} samples/s  ({1e3 * BATCH / value:6.2f} ms/step)")
+            print(f"  {key:<24} {value:>9.0f} samples/s  ({1e3 * BATCH / value:6.2f} ms/step)")
         for top, bottom, per_step, note in RATIOS:
             if top not in median or bottom not in median:
                 continue
