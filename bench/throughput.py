@@ -4,6 +4,7 @@ Run:  python bench/throughput.py            (about 10 minutes on 2 cores)
       python bench/throughput.py --quick    (a smoke run)
       python bench/throughput.py --workloads "mlp 512-1024-10" --rounds 21 \
           --contenders plain handoff-1 asyncddp-1 asyncddp-1-noatomic    (some, more rounds)
+      python bench/throughput.py --copy-cost   (what the step backup's copy costs a plain loop)
 
 Every contender trains the same model on the same global batch (256) with SGD, using the same
 number of CPU threads in all (``torch.get_num_threads()``, all cores by default):
@@ -13,6 +14,10 @@ number of CPU threads in all (``torch.get_num_threads()``, all cores by default)
               thread and awaited (a queue and a future, nothing else): the floor of a design
               that keeps the event loop free by handing each step to a thread and awaiting it,
               as asyncddp does;
+- handoff-1-backup: handoff-1, each step also copying the parameters and optimizer state
+              before its optimizer step (``StepCopy``: the memory traffic of asyncddp's
+              ``atomic_steps``, none of its logic): the floor of a free event loop and steps that
+              can be undone, asyncddp-1's contract;
 - asyncddp-1: ``Trainer`` on one device (its worker gets every thread): the overhead target;
 - asyncddp-1-noatomic: the same with ``atomic_steps=False``: no copy of the parameters and
               optimizer state before each step (a plain loop, Lightning and DDP keep none);
@@ -38,6 +43,9 @@ number of CPU threads in all (``torch.get_num_threads()``, all cores by default)
 - by-hand-2-handoff: the same steps, each handed from the event loop to the two threads and
               awaited (``HandOffAll``: a queue each, one counter, one loop wake-up): the floor
               of a design that hands each step to its workers and awaits it, as asyncddp does;
+- by-hand-2-handoff-backup: the same, each thread also copying its half of its replica's
+              parameters and optimizer state before the optimizer step (as asyncddp's backup in
+              parts on 2 CPU workers): the floor of asyncddp-2's design and contract;
 - ddp-gloo-2: ``DistributedDataParallel`` over gloo, 2 processes on localhost, half the batch
               and half the threads each.
 
@@ -47,6 +55,8 @@ Run only when named in ``--contenders`` (a design asyncddp does not take, measur
               the running one (two steps in flight), so that a worker finishing a step finds
               the next one waiting instead of waiting for the event loop to hand it over: the
               floor of a design that queues steps ahead of the one running.
+- plain-backup: the plain loop copying the backup as handoff-1-backup does: the copy's cost
+              without a hand-off (``--copy-cost`` times the same in one process, steadier).
 
 Each contender first trains one untimed pass over the same batches on the very threads it is
 then timed on, so that every figure is a step in steady state. A thread's first steps are slow
@@ -719,6 +729,51 @@ RATIOS = (
 )
 
 
+def copy_cost_alone(workload: str, quick: bool) -> str:
+    """:func:`copy_cost` in a fresh process (its loop leaves an OpenMP team behind)."""
+    command = [sys.executable, __file__, "--copy-cost", "--workloads", workload]
+    completed = subprocess.run(
+        command + (["--quick"] if quick else []), capture_output=True, text=True, check=True
+    )
+    return completed.stdout.strip().splitlines()[-1]
+
+
+def copy_cost(workload: str, blocks: int, steps: int = 20) -> str:
+    """The plain loop's step with and without the step backup's copy (:class:`StepCopy`), in
+    one thread of one process, blocks of ``steps`` steps of each in turns: a steadier figure
+    than two processes' (the same threads, the same allocator, the VM's drift shared)."""
+    torch.manual_seed(0)
+    model = MODELS[workload][0]()
+    optimizer = SGD(model.parameters())
+    batches = make_batches(MODELS[workload][1], steps)
+    copy = StepCopy()
+
+    def block(backup: StepCopy | None) -> float:
+        start = time.perf_counter()
+        train(model, optimizer, batches, backup)
+        return (time.perf_counter() - start) / steps
+
+    block(None)  # warm-up: threads, allocations, the optimizer's state
+    block(copy)
+    plain_s, copied_s = [], []
+    for _ in range(blocks):
+        plain_s.append(block(None))
+        copied_s.append(block(copy))
+    start = time.perf_counter()
+    for _ in range(steps):
+        copy.copy(optimizer)
+    alone = (time.perf_counter() - start) / steps
+    ratios = [c / p - 1 for p, c in zip(plain_s, copied_s, strict=True)]
+    low, _, high = statistics.quantiles(ratios, n=4)
+    mb = sum(b.numel() * b.element_size() for b in copy._buffers) / 1e6
+    return (
+        f"{workload}: the plain loop {1e3 * statistics.median(plain_s):.3f} ms a step, with the "
+        f"backup's copy ({mb:.1f} MB) {1e3 * statistics.median(copied_s):.3f} ms: "
+        f"{statistics.median(ratios):+.1%} a step (blocks' quartiles {low:+.1%}..{high:+.1%}); "
+        f"the copy alone, repeated: {1e3 * alone:.3f} ms"
+    )
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -736,7 +791,16 @@ async def main() -> None:
         help="which to run",
     )
     parser.add_argument("--workloads", nargs="+", choices=list(MODELS), default=list(WORKLOADS))
+    parser.add_argument(
+        "--copy-cost",
+        action="store_true",
+        help="time the step backup's copy in the plain loop, in one process, and exit",
+    )
     args = parser.parse_args()
+    if args.copy_cost:
+        for name in args.workloads:
+            print(copy_cost(name, 4 if args.quick else 40))
+        return
     if args.measure:
         print(await measure(*args.measure, args.steps))
         return
@@ -767,6 +831,8 @@ async def main() -> None:
             if top not in median or bottom not in median:
                 continue
             print(f"  {ratio_line(top, bottom, figures[top], figures[bottom], per_step)}  {note}")
+        if "plain" in contenders:
+            print(f"  {copy_cost_alone(name, args.quick)}")
 
 
 def ratio_line(
