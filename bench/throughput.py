@@ -768,7 +768,7 @@ def copy_cost(workload: str, blocks: int, steps: int = 20) -> str:
     mb = sum(b.numel() * b.element_size() for b in copy._buffers) / 1e6
     return (
         f"{workload}: the plain loop {1e3 * statistics.median(plain_s):.3f} ms a step, with the "
-        f"backup's copy ({mb:.1f} MB) {1e3 * statistics.median(copied_s):.3f} ms: "
+        f"backup's copy ({mb:.3g} MB) {1e3 * statistics.median(copied_s):.3f} ms: "
         f"{statistics.median(ratios):+.1%} a step (blocks' quartiles {low:+.1%}..{high:+.1%}); "
         f"the copy alone, repeated: {1e3 * alone:.3f} ms"
     )
