@@ -1,6 +1,6 @@
 """Training throughput: asyncddp against a plain loop and DistributedDataParallel, same work.
 
-Run:  python bench/throughput.py            (about 10 minutes on 2 cores)
+Run:  python bench/throughput.py            (about 15 minutes on 2 cores)
       python bench/throughput.py --quick    (a smoke run)
       python bench/throughput.py --workloads "mlp 512-1024-10" --rounds 21 \
           --contenders plain handoff-1 asyncddp-1 asyncddp-1-noatomic    (some, more rounds)
@@ -165,8 +165,9 @@ def train(
 class StepCopy:
     """A copy of an optimizer's parameters and state tensors into buffers kept between steps:
     the memory traffic of asyncddp's step backup (``atomic_steps``), with none of its logic.
-    With ``part=(i, n)``, only the ``i``-th of ``n`` contiguous parts of each tensor's elements,
-    as each of n CPU workers copies its share of identical replicas (the backup in parts)."""
+    With ``part=(i, n)``, only the ``i``-th of ``n`` near-equal slices of all the tensors'
+    elements taken end to end, as each of n CPU workers copies its share of identical replicas
+    (asyncddp's backup in parts cuts them the same way)."""
 
     def __init__(self, part: tuple[int, int] = (0, 1)) -> None:
         self._part = part
@@ -182,10 +183,15 @@ class StepCopy:
         ]
         index, parts = self._part
         if parts > 1:
-            sources = [
-                s.view(-1)[index * s.numel() // parts : (index + 1) * s.numel() // parts]
-                for s in sources
-            ]
+            total = sum(s.numel() for s in sources)
+            start, stop = index * total // parts, (index + 1) * total // parts
+            sliced, offset = [], 0
+            for s in sources:
+                low, high = max(start, offset), min(stop, offset + s.numel())
+                if low < high:
+                    sliced.append(s.view(-1)[low - offset : high - offset])
+                offset += s.numel()
+            sources = sliced
         if [b.shape for b in self._buffers] != [s.shape for s in sources]:
             self._buffers = [torch.empty_like(s) for s in sources]
         torch._foreach_copy_(self._buffers, sources)
@@ -738,10 +744,11 @@ def copy_cost_alone(workload: str, quick: bool) -> str:
     return completed.stdout.strip().splitlines()[-1]
 
 
-def copy_cost(workload: str, blocks: int, steps: int = 20) -> str:
+def copy_cost(workload: str, blocks: int, steps: int = 60) -> str:
     """The plain loop's step with and without the step backup's copy (:class:`StepCopy`), in
-    one thread of one process, blocks of ``steps`` steps of each in turns: a steadier figure
-    than two processes' (the same threads, the same allocator, the VM's drift shared)."""
+    one thread of one process, blocks of ``steps`` steps (the contenders' batches) of each in
+    turns, which goes first alternating: a steadier figure than two processes' (the same
+    threads, the same allocator, the VM's drift shared)."""
     torch.manual_seed(0)
     model = MODELS[workload][0]()
     optimizer = SGD(model.parameters())
@@ -756,9 +763,13 @@ def copy_cost(workload: str, blocks: int, steps: int = 20) -> str:
     block(None)  # warm-up: threads, allocations, the optimizer's state
     block(copy)
     plain_s, copied_s = [], []
-    for _ in range(blocks):
-        plain_s.append(block(None))
-        copied_s.append(block(copy))
+    for turn in range(blocks):
+        if turn % 2:
+            copied_s.append(block(copy))
+            plain_s.append(block(None))
+        else:
+            plain_s.append(block(None))
+            copied_s.append(block(copy))
     start = time.perf_counter()
     for _ in range(steps):
         copy.copy(optimizer)
@@ -766,11 +777,12 @@ def copy_cost(workload: str, blocks: int, steps: int = 20) -> str:
     ratios = [c / p - 1 for p, c in zip(plain_s, copied_s, strict=True)]
     low, _, high = statistics.quantiles(ratios, n=4)
     mb = sum(b.numel() * b.element_size() for b in copy._buffers) / 1e6
+    plain_ms, copied_ms = 1e3 * statistics.median(plain_s), 1e3 * statistics.median(copied_s)
     return (
-        f"{workload}: the plain loop {1e3 * statistics.median(plain_s):.3f} ms a step, with the "
-        f"backup's copy ({mb:.3g} MB) {1e3 * statistics.median(copied_s):.3f} ms: "
-        f"{statistics.median(ratios):+.1%} a step (blocks' quartiles {low:+.1%}..{high:+.1%}); "
-        f"the copy alone, repeated: {1e3 * alone:.3f} ms"
+        f"{workload}: the plain loop {plain_ms:.3f} ms a step, with the backup's copy "
+        f"({mb:.3g} MB) {copied_ms:.3f} ms ({copied_ms - plain_ms:+.3f} ms): "
+        f"{statistics.median(ratios):+.1%} a step by the blocks' ratios (quartiles "
+        f"{low:+.1%}..{high:+.1%}); the copy alone, repeated: {1e3 * alone:.3f} ms"
     )
 
 
@@ -799,7 +811,7 @@ async def main() -> None:
     args = parser.parse_args()
     if args.copy_cost:
         for name in args.workloads:
-            print(copy_cost(name, 4 if args.quick else 40))
+            print(copy_cost(name, 4, 8) if args.quick else copy_cost(name, 20))
         return
     if args.measure:
         print(await measure(*args.measure, args.steps))
