@@ -1,6 +1,6 @@
 """Run every benchmark and write its output into docs/benchmarks.md.
 
-Run:  python bench/report.py            (the full runs: about 20 minutes on 2 cores)
+Run:  python bench/report.py            (the full runs: about 30-45 minutes on 2 cores)
       python bench/report.py --quick    (smoke runs; does not touch the docs)
 
 Each benchmark's output replaces the block between ``<!-- bench:NAME -->`` and

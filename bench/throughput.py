@@ -1,6 +1,6 @@
 """Training throughput: asyncddp against a plain loop and DistributedDataParallel, same work.
 
-Run:  python bench/throughput.py            (about 15 minutes on 2 cores)
+Run:  python bench/throughput.py            (about 20-35 minutes on 2 cores)
       python bench/throughput.py --quick    (a smoke run)
       python bench/throughput.py --workloads "mlp 512-1024-10" --rounds 21 \
           --contenders plain handoff-1 asyncddp-1 asyncddp-1-noatomic    (some, more rounds)
