@@ -16,8 +16,9 @@ number of CPU threads in all (``torch.get_num_threads()``, all cores by default)
               as asyncddp does;
 - handoff-1-backup: handoff-1, each step also copying the parameters and optimizer state
               before its optimizer step (``StepCopy``: the memory traffic of asyncddp's
-              ``atomic_steps``, none of its logic): the floor of a free event loop and steps that
-              can be undone, asyncddp-1's contract;
+              ``atomic_steps``, none of its logic): nearly the floor of a free event loop and
+              steps that can be undone, asyncddp-1's contract (it copies in the step, where
+              asyncddp-1 copies ahead, while the event loop takes its turn);
 - asyncddp-1: ``Trainer`` on one device (its worker gets every thread): the overhead target;
 - asyncddp-1-noatomic: the same with ``atomic_steps=False``: no copy of the parameters and
               optimizer state before each step (a plain loop, Lightning and DDP keep none);
@@ -44,8 +45,10 @@ number of CPU threads in all (``torch.get_num_threads()``, all cores by default)
               awaited (``HandOffAll``: a queue each, one counter, one loop wake-up): the floor
               of a design that hands each step to its workers and awaits it, as asyncddp does;
 - by-hand-2-handoff-backup: the same, each thread also copying its half of its replica's
-              parameters and optimizer state before the optimizer step (as asyncddp's backup in
-              parts on 2 CPU workers): the floor of asyncddp-2's design and contract;
+              parameters and optimizer state before the optimizer step (cut as asyncddp's
+              backup in parts on 2 CPU workers cuts them): the hand-off floor plus the
+              contract's copy, though not a floor of asyncddp-2 (the copy has cost it more
+              than asyncddp's backup costs asyncddp-2: see docs/benchmarks.md);
 - ddp-gloo-2: ``DistributedDataParallel`` over gloo, 2 processes on localhost, half the batch
               and half the threads each.
 
@@ -719,14 +722,14 @@ RATIOS = (
     ("asyncddp-2", BY_HAND_HANDOFF, False, "(asyncddp-2 against that floor)"),
     ("asyncddp-2-noatomic", BY_HAND_HANDOFF, False, "(without the step backup, as the floor)"),
     (BY_HAND_BACKUP, "plain", False, "(the same, each thread copying its half of the backup)"),
-    ("asyncddp-2", BY_HAND_BACKUP, False, "(asyncddp-2 against that floor of atomic steps)"),
+    ("asyncddp-2", BY_HAND_BACKUP, False, "(asyncddp-2 against the same with the copy)"),
     ("asyncddp-2", "ddp-gloo-2", False, "(target >= 1.5x)"),
     (BY_HAND, "ddp-gloo-2", False, "(the step by hand against DDP)"),
     ("asyncddp-1", "plain", True, "(target <= +3%)"),
     ("asyncddp-1-noatomic", "plain", True, "(no step backup, as the plain loop)"),
     ("handoff-1", "plain", True, "(the floor of a free event loop)"),
-    (HANDOFF_BACKUP, "plain", True, "(the floor of a free event loop and atomic steps)"),
-    ("asyncddp-1", HANDOFF_BACKUP, True, "(asyncddp-1 against that floor)"),
+    (HANDOFF_BACKUP, "plain", True, "(the hand-off floor copying the step backup in the step)"),
+    ("asyncddp-1", HANDOFF_BACKUP, True, "(asyncddp-1, which copies ahead, against it)"),
     (PLAIN_BACKUP, "plain", True, "(the step backup's copy alone, in the plain loop)"),
     (HANDOFF_AHEAD, "handoff-1", True, "(a step queued ahead, against one at a time)"),
     (BY_HAND_AHEAD, BY_HAND_HANDOFF, False, "(a step queued ahead, against one at a time)"),
