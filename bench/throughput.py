@@ -47,8 +47,8 @@ number of CPU threads in all (``torch.get_num_threads()``, all cores by default)
 - by-hand-2-handoff-backup: the same, each thread also copying its half of its replica's
               parameters and optimizer state before the optimizer step (cut as asyncddp's
               backup in parts on 2 CPU workers cuts them): the hand-off floor plus the
-              contract's copy, though not a floor of asyncddp-2 (the copy has cost it more
-              than asyncddp's backup costs asyncddp-2: see docs/benchmarks.md);
+              contract's copy, though not a floor asyncddp-2 can be read against (its copy
+              and asyncddp's backup have measured each above the other: docs/benchmarks.md);
 - ddp-gloo-2: ``DistributedDataParallel`` over gloo, 2 processes on localhost, half the batch
               and half the threads each.
 
