@@ -738,12 +738,11 @@ RATIOS = (
 )
 
 
-def copy_cost_alone(workload: str, quick: bool) -> str:
+def copy_cost_alone(workload: str, quick: bool, steps: int) -> str:
     """:func:`copy_cost` in a fresh process (its loop leaves an OpenMP team behind)."""
     command = [sys.executable, __file__, "--copy-cost", "--workloads", workload]
-    completed = subprocess.run(
-        command + (["--quick"] if quick else []), capture_output=True, text=True, check=True
-    )
+    command += ["--quick"] if quick else ["--steps", str(steps)]
+    completed = subprocess.run(command, capture_output=True, text=True, check=True)
     return completed.stdout.strip().splitlines()[-1]
 
 
@@ -814,7 +813,7 @@ async def main() -> None:
     args = parser.parse_args()
     if args.copy_cost:
         for name in args.workloads:
-            print(copy_cost(name, 4, 8) if args.quick else copy_cost(name, 20))
+            print(copy_cost(name, 4, 8) if args.quick else copy_cost(name, 20, args.steps))
         return
     if args.measure:
         print(await measure(*args.measure, args.steps))
@@ -847,7 +846,7 @@ async def main() -> None:
                 continue
             print(f"  {ratio_line(top, bottom, figures[top], figures[bottom], per_step)}  {note}")
         if "plain" in contenders:
-            print(f"  {copy_cost_alone(name, args.quick)}")
+            print(f"  {copy_cost_alone(name, args.quick, args.steps)}")
 
 
 def ratio_line(
