@@ -100,6 +100,7 @@ from torch import nn
 
 import asyncddp
 from asyncddp._data import split_batch
+from asyncddp._sync import _copy_part
 
 BATCH = 256
 
@@ -170,7 +171,7 @@ class StepCopy:
     the memory traffic of asyncddp's step backup (``atomic_steps``), with none of its logic.
     With ``part=(i, n)``, only the ``i``-th of ``n`` near-equal slices of all the tensors'
     elements taken end to end, as each of n CPU workers copies its share of identical replicas
-    (asyncddp's backup in parts cuts them the same way)."""
+    (asyncddp's own ``_copy_part``, which its backup in parts uses)."""
 
     def __init__(self, part: tuple[int, int] = (0, 1)) -> None:
         self._part = part
@@ -184,20 +185,12 @@ class StepCopy:
             for value in state.values()
             if isinstance(value, torch.Tensor)
         ]
-        index, parts = self._part
-        if parts > 1:
-            total = sum(s.numel() for s in sources)
-            start, stop = index * total // parts, (index + 1) * total // parts
-            sliced, offset = [], 0
-            for s in sources:
-                low, high = max(start, offset), min(stop, offset + s.numel())
-                if low < high:
-                    sliced.append(s.view(-1)[low - offset : high - offset])
-                offset += s.numel()
-            sources = sliced
         if [b.shape for b in self._buffers] != [s.shape for s in sources]:
             self._buffers = [torch.empty_like(s) for s in sources]
-        torch._foreach_copy_(self._buffers, sources)
+        if self._part[1] > 1:
+            _copy_part(self._buffers, sources, self._part)  # its slice of whole-size buffers
+        else:
+            torch._foreach_copy_(self._buffers, sources)
 
 
 async def plain(make: Callable[[], nn.Module], batches: list[Any], backup: bool = False) -> float:
