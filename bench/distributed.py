@@ -6,6 +6,9 @@ Run:  python bench/distributed.py            (a few minutes on 2 cores)
       python bench/distributed.py --exchange (the header and gradients, sizes 100 to 535562)
       python bench/distributed.py --workloads "linear 16-10" --steps 300
                                              (a model whose step is its fixed costs alone)
+      python bench/distributed.py --loop-turn   (what an event loop's turn of Python a step
+                                             costs DDP handed off: between steps, or while
+                                             the all-reduce waits; ~5 minutes)
 
 Both contenders run 2 processes on localhost over gloo, one CPU device each, half the CPU
 threads each, the same model (throughput.py's MLP 512-1024-10 and convnet) and the same global
@@ -39,6 +42,14 @@ threads, the event loop's, the rest (``throughput.cpu_by_thread``).
 the exchange with the backup copied while its all-reduces run, the optimizer phase), on the wall
 clock and on the thread's CPU clock, then gloo's all-reduce of as many floats as the gradients,
 alone.
+
+``--loop-turn`` asks where an event loop's own work a step (its "turn": asyncddp's step results,
+counts, reports and the next job) costs least, on DDP handed off (``ddp-gloo-2 handed off``, the
+MLP), in turns in one pair of processes: no turn; a turn of ``--turn-us`` of Python CPU between
+two steps (the worker waits for it, as asyncddp's does); half of it; and the whole turn run while
+the step's all-reduce waits (a DDP communication hook wakes the loop as it starts the
+all-reduce; the next step is still handed over after this one ends). If the turn ran free in the
+wait, a design that queued each step behind the running one could hide it there.
 """
 
 from __future__ import annotations
@@ -58,6 +69,7 @@ from throughput import (
     MODELS,
     SGD,
     WORKLOADS,
+    HandOff,
     cpu_by_thread,
     cpu_spent,
     ddp_gloo,
@@ -260,6 +272,131 @@ def asyncddp_2proc(
     return float(samples_per_second), cpu
 
 
+def _busy(n: int) -> int:
+    """Python bytecode for a while, holding the GIL as an event loop's own work does."""
+    table: dict[int, int] = {}
+    for i in range(n):
+        table[i & 63] = i
+    return len(table)
+
+
+def _busy_count(microseconds: float) -> int:
+    """How many rounds of :func:`_busy` take ``microseconds`` of this thread's CPU."""
+    n = 1000
+    while True:
+        start = time.thread_time()
+        _busy(n)
+        spent = time.thread_time() - start
+        if spent > 0.005:
+            return max(1, round(n * microseconds * 1e-6 / spent))
+        n *= 2
+
+
+#: ``--loop-turn``'s variants: (name, share of the turn, where it runs).
+TURNS = (
+    ("no turn", 0.0, "between"),
+    ("half a turn between steps", 0.5, "between"),
+    ("a turn between steps", 1.0, "between"),
+    ("a turn while the all-reduce waits", 1.0, "wait"),
+)
+
+
+def _loop_turn_rank(
+    rank: int, port: int, steps: int, rounds: int, turn_us: float, results: Any
+) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        count = torch.tensor([_busy_count(turn_us)])
+        dist.broadcast(count, 0)  # both ranks turn alike: rank 0's calibration
+        rounds_of_busy = int(count)
+        torch.manual_seed(0)
+        model = DistributedDataParallel(MODELS["mlp 512-1024-10"][0]())
+        optimizer = SGD(model.parameters())
+        batches = [(x[rank::2], y[rank::2]) for x, y in make_batches((512,), steps)]
+        wake: list[Any] = []  # (loop, callback) while a variant turns in the wait
+
+        # DDP's own all-reduce, and a wake-up. No annotations: DDP checks them, and these
+        # would be strings (postponed evaluation), not the classes it wants.
+        def hook(_, bucket):  # type: ignore[no-untyped-def]
+            future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+            if wake:
+                loop, callback = wake[0]
+                loop.call_soon_threadsafe(callback)
+            return future.then(lambda done: done.value()[0].div_(2))
+
+        model.register_comm_hook(None, hook)
+
+        def one(batch: Any) -> None:
+            optimizer.zero_grad()
+            step(model, batch).backward()
+            optimizer.step()
+
+        async def run(share: float, where: str) -> tuple[float, float]:
+            worker = HandOff()
+            busy = round(share * rounds_of_busy)
+            try:
+                if where == "wait":
+                    wake.append((asyncio.get_running_loop(), lambda: _busy(busy)))
+                dist.barrier()
+                start, cpu = time.perf_counter(), time.thread_time()
+                for batch in batches:
+                    await worker.run(lambda batch=batch: one(batch))
+                    if where == "between" and busy:
+                        _busy(busy)
+                spent = (time.perf_counter() - start, time.thread_time() - cpu)
+            finally:
+                wake.clear()
+                worker.close()
+            return 1e3 * spent[0] / len(batches), 1e3 * spent[1] / len(batches)
+
+        async def all_rounds() -> dict[str, list[tuple[float, float]]]:
+            figures: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in TURNS}
+            await run(0.0, "between")  # warm-up
+            for index in range(rounds):
+                order = TURNS if index % 2 == 0 else TURNS[::-1]  # each first in turn
+                for name, share, where in order:
+                    figures[name].append(await run(share, where))
+            return figures
+
+        figures = asyncio.run(all_rounds())
+        if rank == 0:
+            results.put(figures)
+    finally:
+        dist.destroy_process_group()
+
+
+def loop_turn(steps: int, rounds: int, turn_us: float) -> None:
+    figures = run_two_ranks(_loop_turn_rank, steps, rounds, turn_us, name="loop-turn")
+    print(
+        f"DDP handed off (mlp 512-1024-10, 2 processes x 1 thread, gloo), an event loop's turn "
+        f"of {turn_us:.0f} us of Python CPU a step; median of {rounds} rounds x {steps} steps, "
+        "in turns"
+    )
+    print(f"  {'':<34} {'ms/step':>8} {'loop CPU ms/step':>17} {'over no turn, ms':>17}")
+    base = [wall for wall, _ in figures["no turn"]]
+    for name, rows in figures.items():
+        wall = statistics.median(w for w, _ in rows)
+        cpu = statistics.median(c for _, c in rows)
+        extra = ""
+        if name != "no turn":
+            over = [w - b for (w, _), b in zip(rows, base, strict=True)]
+            low, _, high = statistics.quantiles(over, n=4) if len(over) > 1 else (over[0],) * 3
+            extra = f"{statistics.median(over):+.3f} ({low:+.3f}..{high:+.3f})"
+        print(f"  {name:<34} {wall:>8.2f} {cpu:>17.3f} {extra:>17}")
+    between, wait = figures["a turn between steps"], figures["a turn while the all-reduce waits"]
+    saved = [b - w for (b, _), (w, _) in zip(between, wait, strict=True)]
+    low, _, high = statistics.quantiles(saved, n=4) if len(saved) > 1 else (saved[0],) * 3
+    print(
+        f"  the turn in the wait instead of between steps saves {statistics.median(saved):+.3f} "
+        f"ms a step (the rounds' quartiles {low:+.3f}..{high:+.3f}; faster in "
+        f"{sum(d > 0 for d in saved)} of {len(saved)} rounds)"
+    )
+
+
 NO_BACKUP = "asyncddp-2proc atomic_steps=False"
 HANDED_OFF = "ddp-gloo-2 handed off"
 BACKED_UP = "ddp-gloo-2 handed off + backup"
@@ -285,7 +422,23 @@ def main() -> None:
         action="store_true",
         help="time a step's header and gradients crossing alone, together, packed in one",
     )
+    parser.add_argument(
+        "--loop-turn",
+        action="store_true",
+        help="what an event loop's turn a step costs DDP handed off, between steps or in the wait",
+    )
+    parser.add_argument(
+        "--turn-us",
+        type=float,
+        default=370.0,
+        help="--loop-turn's turn, us of CPU (default: asyncddp's event loop a step in the runs "
+        "of docs/benchmarks.md)",
+    )
     args = parser.parse_args()
+    if args.loop_turn:  # 20 rounds of 300 steps unless told (or --quick)
+        steps, rounds = (8, 1) if args.quick else (max(args.steps, 300), max(args.rounds, 20))
+        loop_turn(steps, rounds, args.turn_us)
+        return
     if args.quick:
         args.steps, args.rounds = 8, 1
     if args.exchange:
