@@ -49,7 +49,10 @@ MLP), in turns in one pair of processes: no turn; a turn of ``--turn-us`` of Pyt
 two steps (the worker waits for it, as asyncddp's does); half of it; and the whole turn run while
 the step's all-reduce waits (a DDP communication hook wakes the loop as it starts the
 all-reduce; the next step is still handed over after this one ends). If the turn ran free in the
-wait, a design that queued each step behind the running one could hide it there.
+wait, a design that queued each step behind the running one could hide it there. Every variant
+does DDP's all-reduce in a Python communication hook (the same in all four), whose completion
+callback takes the GIL: in the wait, the all-reduce cannot complete before the turn ends. Rounds
+take ~15 s each (the ranks are given 600 s in all: keep ``--rounds`` under ~40).
 """
 
 from __future__ import annotations
@@ -323,7 +326,7 @@ def _loop_turn_rank(
         # would be strings (postponed evaluation), not the classes it wants.
         def hook(_, bucket):  # type: ignore[no-untyped-def]
             future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
-            if wake:
+            if wake and bucket.index() == 0:  # once a step, at its first bucket
                 loop, callback = wake[0]
                 loop.call_soon_threadsafe(callback)
             return future.then(lambda done: done.value()[0].div_(2))
@@ -357,7 +360,7 @@ def _loop_turn_rank(
             figures: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in TURNS}
             await run(0.0, "between")  # warm-up
             for index in range(rounds):
-                order = TURNS if index % 2 == 0 else TURNS[::-1]  # each first in turn
+                order = TURNS if index % 2 == 0 else TURNS[::-1]  # reversed every other round
                 for name, share, where in order:
                     figures[name].append(await run(share, where))
             return figures
@@ -431,11 +434,11 @@ def main() -> None:
         "--turn-us",
         type=float,
         default=370.0,
-        help="--loop-turn's turn, us of CPU (default: asyncddp's event loop a step in the runs "
-        "of docs/benchmarks.md)",
+        help="--loop-turn's turn, us of CPU, on top of the hand-off's own (default: about "
+        "asyncddp's event loop's whole CPU a step in the runs of docs/benchmarks.md)",
     )
     args = parser.parse_args()
-    if args.loop_turn:  # 20 rounds of 300 steps unless told (or --quick)
+    if args.loop_turn:  # at least 20 rounds of 300 steps (unless --quick)
         steps, rounds = (8, 1) if args.quick else (max(args.steps, 300), max(args.rounds, 20))
         loop_turn(steps, rounds, args.turn_us)
         return
