@@ -8,7 +8,7 @@ Run:  python bench/distributed.py            (a few minutes on 2 cores)
                                              (a model whose step is its fixed costs alone)
       python bench/distributed.py --loop-turn   (what an event loop's turn of Python a step
                                              costs DDP handed off: between steps, or while
-                                             the all-reduce waits; ~5 minutes)
+                                             the all-reduce waits; ~6 minutes)
 
 Both contenders run 2 processes on localhost over gloo, one CPU device each, half the CPU
 threads each, the same model (throughput.py's MLP 512-1024-10 and convnet) and the same global
@@ -48,11 +48,12 @@ counts, reports and the next job) costs least, on DDP handed off (``ddp-gloo-2 h
 MLP), in turns in one pair of processes: no turn; a turn of ``--turn-us`` of Python CPU between
 two steps (the worker waits for it, as asyncddp's does); half of it; and the whole turn run while
 the step's all-reduce waits (a DDP communication hook wakes the loop as it starts the
-all-reduce; the next step is still handed over after this one ends). If the turn ran free in the
-wait, a design that queued each step behind the running one could hide it there. Every variant
+all-reduce; the next step is still handed over after this one ends); and the same with each
+step queued behind the running one, by the loop right after the turn (the floor of a design that
+queues steps ahead and takes the event loop's turn while the exchange waits). Every variant
 does DDP's all-reduce in a Python communication hook (the same in all four), whose completion
 callback takes the GIL: in the wait, the all-reduce cannot complete before the turn ends. Rounds
-take ~15 s each (the ranks are given 600 s in all: keep ``--rounds`` under ~40).
+take ~17 s each (the ranks are given 600 s in all: keep ``--rounds`` under ~30).
 """
 
 from __future__ import annotations
@@ -301,6 +302,7 @@ TURNS = (
     ("half a turn between steps", 0.5, "between"),
     ("a turn between steps", 1.0, "between"),
     ("a turn while the all-reduce waits", 1.0, "wait"),
+    ("the same, steps queued ahead", 1.0, "ahead"),
 )
 
 
@@ -342,14 +344,35 @@ def _loop_turn_rank(
             worker = HandOff()
             busy = round(share * rounds_of_busy)
             try:
-                if where == "wait":
-                    wake.append((asyncio.get_running_loop(), lambda: _busy(busy)))
+                pending = iter(batches)
+                queued: list[asyncio.Future[Any]] = []
+
+                def turn_and_queue() -> None:  # "ahead": the turn, then the next step queued
+                    _busy(busy)
+                    batch = next(pending, None)
+                    if batch is not None:
+                        queued.append(worker.submit(lambda: one(batch)))
+
+                if where in ("wait", "ahead"):
+                    callback = turn_and_queue if where == "ahead" else lambda: _busy(busy)
+                    wake.append((asyncio.get_running_loop(), callback))
                 dist.barrier()
                 start, cpu = time.perf_counter(), time.thread_time()
-                for batch in batches:
-                    await worker.run(lambda batch=batch: one(batch))
-                    if where == "between" and busy:
-                        _busy(busy)
+                if where == "ahead":
+                    # Each step's hook queues the next one behind it, after the turn; the
+                    # wake-up comes before the step's own end in the loop's queue.
+                    first = next(pending)
+                    queued.append(worker.submit(lambda: one(first)))
+                    done = 0
+                    while done < len(queued):
+                        await queued[done]
+                        done += 1
+                    assert done == len(batches), "a step's hook did not queue the next one"
+                else:
+                    for batch in batches:
+                        await worker.run(lambda batch=batch: one(batch))
+                        if where == "between" and busy:
+                            _busy(busy)
                 spent = (time.perf_counter() - start, time.thread_time() - cpu)
             finally:
                 wake.clear()
@@ -390,14 +413,18 @@ def loop_turn(steps: int, rounds: int, turn_us: float) -> None:
             low, _, high = statistics.quantiles(over, n=4) if len(over) > 1 else (over[0],) * 3
             extra = f"{statistics.median(over):+.3f} ({low:+.3f}..{high:+.3f})"
         print(f"  {name:<34} {wall:>8.2f} {cpu:>17.3f} {extra:>17}")
-    between, wait = figures["a turn between steps"], figures["a turn while the all-reduce waits"]
-    saved = [b - w for (b, _), (w, _) in zip(between, wait, strict=True)]
-    low, _, high = statistics.quantiles(saved, n=4) if len(saved) > 1 else (saved[0],) * 3
-    print(
-        f"  the turn in the wait instead of between steps saves {statistics.median(saved):+.3f} "
-        f"ms a step (the rounds' quartiles {low:+.3f}..{high:+.3f}; faster in "
-        f"{sum(d > 0 for d in saved)} of {len(saved)} rounds)"
-    )
+    between = figures["a turn between steps"]
+    for name, label in (
+        ("a turn while the all-reduce waits", "the turn in the wait"),
+        ("the same, steps queued ahead", "the turn in the wait, steps queued ahead,"),
+    ):
+        saved = [b - w for (b, _), (w, _) in zip(between, figures[name], strict=True)]
+        low, _, high = statistics.quantiles(saved, n=4) if len(saved) > 1 else (saved[0],) * 3
+        print(
+            f"  {label} instead of between steps saves {statistics.median(saved):+.3f} "
+            f"ms a step (the rounds' quartiles {low:+.3f}..{high:+.3f}; faster in "
+            f"{sum(d > 0 for d in saved)} of {len(saved)} rounds)"
+        )
 
 
 NO_BACKUP = "asyncddp-2proc atomic_steps=False"
