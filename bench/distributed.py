@@ -395,6 +395,12 @@ def _loop_turn_rank(
         dist.destroy_process_group()
 
 
+def _median_quartiles(values: list[float]) -> tuple[float, float, float]:
+    """The median of ``values`` and their first and third quartiles (one value: itself)."""
+    low, _, high = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
+    return statistics.median(values), low, high
+
+
 def loop_turn(steps: int, rounds: int, turn_us: float) -> None:
     figures = run_two_ranks(_loop_turn_rank, steps, rounds, turn_us, name="loop-turn")
     print(
@@ -410,8 +416,8 @@ def loop_turn(steps: int, rounds: int, turn_us: float) -> None:
         extra = ""
         if name != "no turn":
             over = [w - b for (w, _), b in zip(rows, base, strict=True)]
-            low, _, high = statistics.quantiles(over, n=4) if len(over) > 1 else (over[0],) * 3
-            extra = f"{statistics.median(over):+.3f} ({low:+.3f}..{high:+.3f})"
+            middle, low, high = _median_quartiles(over)
+            extra = f"{middle:+.3f} ({low:+.3f}..{high:+.3f})"
         print(f"  {name:<34} {wall:>8.2f} {cpu:>17.3f} {extra:>17}")
     between = figures["a turn between steps"]
     for name, label in (
@@ -419,9 +425,9 @@ def loop_turn(steps: int, rounds: int, turn_us: float) -> None:
         ("the same, steps queued ahead", "the turn in the wait, steps queued ahead,"),
     ):
         saved = [b - w for (b, _), (w, _) in zip(between, figures[name], strict=True)]
-        low, _, high = statistics.quantiles(saved, n=4) if len(saved) > 1 else (saved[0],) * 3
+        middle, low, high = _median_quartiles(saved)
         print(
-            f"  {label} instead of between steps saves {statistics.median(saved):+.3f} "
+            f"  {label} instead of between steps saves {middle:+.3f} "
             f"ms a step (the rounds' quartiles {low:+.3f}..{high:+.3f}; faster in "
             f"{sum(d > 0 for d in saved)} of {len(saved)} rounds)"
         )
