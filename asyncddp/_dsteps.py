@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -35,12 +34,11 @@ from ._exceptions import ConfigurationError, WorkerFailedError
 from ._jobs import ExchangeWork, Sums, TrainWork, exchange_gradients
 from ._loop import current_waker
 from ._ranks import rank_view
-from ._scheduler import _Submitted
 from ._steps import Steps, Window, phase_from_jobs, shard_items
 from ._sync import bucket_layout
 from ._worker import WorkerContext
 
-__all__ = ["DistributedSteps", "InFlight", "StepSkipped", "collective"]
+__all__ = ["DistributedSteps", "collective"]
 
 #: How long a failing rank waits for the others to hear of it before it raises anyway.
 ANNOUNCE_TIMEOUT = 60.0
@@ -80,24 +78,6 @@ async def collective(fn: Callable[..., T], *args: Any) -> tuple[T, BaseException
             raise cancellation
         raise value
     return value, cancellation
-
-
-class StepSkipped(Exception):
-    """A step queued behind another did nothing: the one before it failed, or the ranks agreed
-    to stop after it. Its batch was not trained on."""
-
-
-@dataclass
-class InFlight:
-    """A step whose job is queued (:meth:`DistributedSteps._submit_fused`)."""
-
-    window: Window
-    items: int  # this rank's items in the step
-    apply_id: int
-    submitted: _Submitted | None = None
-    exchanging: bool = False  # the job's exchange is on its way (set by the worker)
-    skipped: bool = False  # the job did nothing (set by the worker)
-    ran: list[tuple[Global, float | None]] = field(default_factory=list)
 
 
 class DistributedSteps(Steps):
@@ -176,6 +156,7 @@ class DistributedSteps(Steps):
             )
         self._comm = comm
         self._from_rank_0 = False  # the first fit or validate session takes rank 0's model
+        self._items_ref = None  # every rank must weight counted items alike: from 1 again
         if self._data_seed is None:
             self._data_seed = comm.data_seed
         if cancellation is not None:
@@ -319,27 +300,13 @@ class DistributedSteps(Steps):
         self._agree_on_stop(result)
 
     async def _distributed_fused_step(self, window: Window, epoch: int) -> float | None:
-        return await self._complete_fused(self._submit_fused(window, epoch, self.global_step))
-
-    def _submit_fused(
-        self, window: Window, epoch: int, step: int, halt: threading.Event | None = None
-    ) -> InFlight:
-        """Queue the window's step (one device: forward, backward, the exchange and the
-        optimizer step) as one job, now; :meth:`_complete_fused` waits for it.
-
-        With ``halt``, the step may be queued behind the one running (the epoch loop's step
-        ahead, ``_epochs``): the job then does nothing if ``halt`` is set when it starts, and
-        sets it when its step fails or the ranks agree to stop after it, so the step behind it
-        is never taken. The job sets ``InFlight.exchanging`` and wakes the event loop once its
-        exchange is on its way. ``step`` is its number, for errors.
-        """
         shards = self._shards(window.batches[window.done])
         counts = [shard_items(shard) for shard in shards]
         opens = window.done == 0
         self._window_open = True
         apply = self._apply_work()  # its coefficient and unused parameters: found in the job
         if opens:
-            window.ref = self._reference_count(window, counts[0])
+            window.ref = self._reference_count(counts[0])
         train = TrainWork(
             shards[0], counts[0] / window.ref, counts[0], opens, per_item=1.0 / window.ref
         )
@@ -347,84 +314,46 @@ class DistributedSteps(Steps):
         comm = self._comm
         assert comm is not None
         earlier = window.sums
-        jobs = self._jobs()
-        inflight = InFlight(window, counts[0], apply.apply_id)
-        scheduler = self._require_scheduler()
-        wake: Callable[[], None] | None = None
+        done: list[tuple[Global, float | None]] = []  # the job's outcome, even if cancelled
 
-        def exchanging() -> None:
-            inflight.exchanging = True
-            if wake is not None:
-                wake()
-
-        # Only a step queued ahead wakes the loop in its exchange: the loop waits for it then.
-        signal = exchanging if halt is not None else None
-
-        def job(ctx: WorkerContext, _: Any) -> tuple[Global, float | None] | None:
-            if halt is not None and halt.is_set():
-                inflight.skipped = True  # the step before failed, or the ranks stopped
-                return None
-            try:
-                outcome = jobs.distributed_step(ctx, train, earlier, apply, exchange, comm, signal)
-                if outcome[0].counted and outcome[0].items == 0:
-                    # Counts from the step, every one 0: no rank stepped; undo the forwards
-                    # (model buffers) as the ordinary path does, here, before a step queued
-                    # behind this one runs.
-                    jobs.abandon(ctx, None)
-            except BaseException:
-                if halt is not None:
-                    halt.set()
-                raise
-            inflight.ran.append(outcome)  # the job's outcome, even if the caller is cancelled
-            if halt is not None and outcome[0].stop:
-                halt.set()
+        def job(ctx: WorkerContext, _: Any) -> tuple[Global, float | None]:
+            outcome = self._jobs().distributed_step(ctx, train, earlier, apply, exchange, comm)
+            done.append(outcome)
             return outcome
 
-        # Shielded: the job's exchange cannot be left half way (see the module's notes).
-        inflight.submitted = scheduler._submit(
-            job, [None], items=counts, step=step, epoch=epoch, phase="train", shield=True
-        )
-        wake = inflight.submitted.state.waker.wake_threadsafe
-        return inflight
-
-    async def _complete_fused(self, inflight: InFlight) -> float | None:
-        """Wait for a step queued by :meth:`_submit_fused`, and settle it; returns its
-        learning rate, or raises :class:`StepSkipped` if its job did nothing (see there).
-
-        A cancellation that comes once the exchange is done is kept in ``_cancelled_in_step``:
-        the step is taken here as on every rank, and the caller raises it once it is counted.
-        """
-        window = inflight.window
-        submitted = inflight.submitted
-        assert submitted is not None
-        inflight.submitted = None
-        outcome: tuple[Global, float | None] | None
         try:
-            result = await self._require_scheduler()._collect(submitted)
-            outcome = result.outputs[0]
+            # Shielded: the job's exchange cannot be left half way (see the module's notes).
+            result = await self._require_scheduler().run(
+                job,
+                [None],
+                items=counts,
+                step=self.global_step,
+                epoch=epoch,
+                phase="train",
+                shield=True,
+            )
+            result_global, lr = result.outputs[0]
         except BaseException as error:
-            if inflight.ran and not isinstance(error, Exception):
+            if done and not isinstance(error, Exception):
                 # Cancelled, but every rank took this step: so does this one.
-                outcome = inflight.ran[0]
+                result_global, lr = done[0]
                 self._cancelled_in_step = error
-            elif inflight.skipped:
-                raise  # the job did nothing: nothing to undo
             else:
                 phase_from_jobs(error)
-                stepped = self._replicas[0].stepped_at == inflight.apply_id
-                undone = not await self._abandon(inflight.apply_id)
+                stepped = self._replicas[0].stepped_at == self._apply_id
+                undone = not await self._abandon(self._apply_id)
                 if not undone or (not self.atomic_steps and stepped):
                     self._consistent = False
                 raise
-        if outcome is None:
-            self._window_open = False  # no step is queued behind a step that did nothing
-            self._epoch_windows -= 1  # nor opened after it: the others may not have opened it
-            raise StepSkipped
-        result_global, lr = outcome
         name = self.devices[0].name
-        window.device_items[name] = window.device_items.get(name, 0) + inflight.items
+        window.device_items[name] = window.device_items.get(name, 0) + counts[0]
         window.done += 1
         self._settle(window, result_global)
+        if window.sums.counted and window.sums.items == 0:
+            # Counts from the step, every one 0: no rank stepped; undo the forwards (model
+            # buffers) as the ordinary path does.
+            await self._abandon()
+            return lr
         self._window_open = False
         return lr
 

@@ -7,16 +7,14 @@ devices, and the failure policy), this module (epochs and validation), and ``_re
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,7 @@ from tqdm.auto import tqdm
 from . import _checkpoint, _comm
 from ._comm import PeerFailed, RankLost
 from ._data import check_batch, pin
-from ._dsteps import DistributedSteps, InFlight, StepSkipped
+from ._dsteps import DistributedSteps
 from ._events import EpochEnded, StepEnded, ValidationEnded
 from ._exceptions import ConfigurationError, DataError, StepOutputError, WorkerFailedError
 from ._jobs import Jobs, Sums, check_counts
@@ -50,20 +48,6 @@ class EpochRecord:
     valid_metrics: Mapping[str, float] | None
     items: int
     seconds: float
-
-
-@dataclass
-class _Ahead:
-    """The epoch loop one step ahead of the worker (:meth:`Epochs._step_ahead`)."""
-
-    halt: threading.Event = field(default_factory=threading.Event)
-    pending: InFlight | None = None  # queued on the worker, not yet counted
-    locked: bool = False  # the step lock is held while steps are in flight
-
-
-#: The report of a step: its epoch, the epoch's progress tracker, the devices it tracks, and
-#: the progress bar.
-_Report = tuple[int, ProgressTracker, list[str], Any]
 
 
 class Epochs(DistributedSteps):
@@ -130,18 +114,12 @@ class Epochs(DistributedSteps):
         window, pending, seen, exhausted = Window(), [], 0, True
         bar = self._progress_bar(epoch, epochs, mine, tracker.progress.items_processed)
         self._last_global = None
-        self._epoch_windows, self._window_items = 0, {}  # see _reference_count
-        ahead = _Ahead() if self._can_step_ahead() else None
-        report: _Report = (epoch, tracker, tracked, bar)
 
         async def step(window: Window) -> None:
             await self._step(window, epoch, True, tracker, tracked, bar)
 
         try:
-            async with (
-                self._prefetcher(self._rank_data(data, epoch), "train_data") as batches,
-                self._ahead_flushed(ahead, report),
-            ):
+            async with self._prefetcher(self._rank_data(data, epoch), "train_data") as batches:
                 async for batch in batches:
                     if resume_rng is not None:
                         _checkpoint.restore_rng(resume_rng)  # the loader has drawn its seed
@@ -158,23 +136,16 @@ class Epochs(DistributedSteps):
                     window.batches.append(pending[:per_step])
                     pending = pending[per_step:]
                     final = len(window.batches) == self.accumulate_grad_batches
-                    if ahead is not None and self._fusable(window):
-                        await self._step_ahead(ahead, window, report)
-                    else:
-                        await self._step(window, epoch, final, tracker, tracked, bar)
+                    await self._step(window, epoch, final, tracker, tracked, bar)
                     if final:
                         window = Window()
                         if self._should_stop():
-                            # Stopped: the epoch is over only if the data is used up too (a
-                            # step queued ahead and not taken holds a batch).
-                            left = ahead is not None and await self._flush_ahead(ahead, report)
-                            exhausted = not left and await anext(batches, None) is None
+                            # Stopped: the epoch is over only if the data is used up too.
+                            exhausted = await anext(batches, None) is None
                             if self._distributed():
                                 exhausted = await self._all_exhausted(exhausted)
                             break
                 else:
-                    if ahead is not None:
-                        await self._flush_ahead(ahead, report)
                     if resume_rng is not None:
                         _checkpoint.restore_rng(resume_rng)
                     if pending:
@@ -231,40 +202,21 @@ class Epochs(DistributedSteps):
         assert self._step_lock is not None
         async with self._step_lock:  # a checkpoint sees either all of this step or none
             lr = await self._run_step(window, epoch, final=True)
-            self._count(window)
+            self._batches_done += window.batch_count
+            self._epoch_sums.add(window.sums)
+            for name, count in window.device_items.items():
+                self._epoch_items[name] = self._epoch_items.get(name, 0) + count
+            taken = window.sums.items > 0  # else nothing to learn from: no step was taken
+            if taken:
+                self.global_step += 1
+                if window.sums.counted or self._distributed():
+                    # What the next steps' counts are weighted against (the same on every
+                    # rank); across ranks, a step with as many items as this one then needs
+                    # no scaling of its reduced gradients (see _reference_count).
+                    self._items_ref = float(window.sums.items)
         cancelled, self._cancelled_in_step = self._cancelled_in_step, None
         if cancelled is not None:  # across ranks: after a step that every rank took
             raise cancelled
-        self._report(window, lr, epoch, tracker, tracked, bar)
-
-    def _count(self, window: Window) -> None:
-        """Count a window's step (under the step lock)."""
-        self._batches_done += window.batch_count
-        self._epoch_sums.add(window.sums)
-        for name, count in window.device_items.items():
-            self._epoch_items[name] = self._epoch_items.get(name, 0) + count
-        if self._distributed():
-            # What later steps' counts are weighted against (see _reference_count).
-            self._window_items[window.index] = float(window.sums.items)
-            self._window_items.pop(window.index - 2, None)
-        if window.sums.items > 0:  # else nothing to learn from: no step was taken
-            self.global_step += 1
-            if window.sums.counted and not self._distributed():
-                # What the next steps' counts are weighted against (see _reference_count).
-                self._items_ref = float(window.sums.items)
-
-    def _report(
-        self,
-        window: Window,
-        lr: float | None,
-        epoch: int,
-        tracker: ProgressTracker,
-        tracked: list[str],
-        bar: Any,
-    ) -> None:
-        """A counted window's progress, progress bar and (if it made a step)
-        :class:`StepEnded` event."""
-        taken = window.sums.items > 0
         # The window's batches are done, whether it made a step or not.
         entries = [window.device_items.get(name, 0) for name in tracked]
         progress = tracker.update(entries, step=taken)
@@ -287,115 +239,6 @@ class Epochs(DistributedSteps):
                 lr,
             )
         )
-
-    # -- one step ahead, across ranks ---------------------------------------------------------
-
-    def _can_step_ahead(self) -> bool:
-        """Whether the epoch loop queues each step behind the running one: across ranks with
-        one device each, whole steps in one job (the ``torchrun`` set-up on CPUs). Each step's
-        job wakes the event loop once its exchange is on its way; the loop then counts and
-        reports the step before, reads and queues the next batch's, while this rank waits for
-        the others' gradients, and the worker goes from one step's job to the next without
-        waiting for the loop (measured: ``bench/distributed.py --loop-turn``). Not on a GPU,
-        where the host waits for the device and the loop's turn is hidden behind its work."""
-        return (
-            self._comm is not None
-            and len(self.devices) == 1
-            and self.devices[0].torch_device.type == "cpu"
-            and self._scaler is None
-            and self.accumulate_grad_batches == 1
-            and self.step_timeout is None
-        )
-
-    async def _step_ahead(self, ahead: _Ahead, window: Window, report: _Report) -> None:
-        """Queue ``window``'s step behind the one running; once its exchange is on its way,
-        count and report the step before it.
-
-        The step lock is held while steps are in flight, so that a checkpoint sees the
-        counts and the parameters of the same step; when a task waits for the lock (a
-        checkpoint), the steps in flight are finished and the lock let go.
-        """
-        lock = self._step_lock
-        assert lock is not None
-        if not ahead.locked:
-            await lock.acquire()
-            ahead.locked = True
-        number = self.global_step + (ahead.pending is not None)
-        queued = self._submit_fused(window, report[0], number, ahead.halt)
-        previous, ahead.pending = ahead.pending, queued
-        assert queued.submitted is not None
-        try:
-            await self._require_scheduler()._until(queued.submitted, lambda: queued.exchanging)
-        except BaseException as cancellation:  # cancelled: at once, as between two steps
-            ahead.halt.set()  # a step not yet started stays so; those started are taken
-            with anyio.CancelScope(shield=True):
-                try:
-                    if previous is not None:
-                        await self._finish_ahead(ahead, previous, report)
-                    await self._flush_ahead(ahead, report)
-                except Exception as error:
-                    cancellation.__cause__ = error
-            raise cancellation
-        if previous is not None:
-            await self._finish_ahead(ahead, previous, report)
-        if lock.statistics().tasks_waiting:
-            await self._flush_ahead(ahead, report)
-
-    async def _finish_ahead(
-        self, ahead: _Ahead, inflight: InFlight, report: _Report, *, quiet: bool = False
-    ) -> bool:
-        """Wait for a queued step, count and report it; returns False if it was not taken
-        (its job did nothing: see ``_submit_fused``). If it failed, the step behind it is
-        finished first (it does nothing), then the failure goes on as an unqueued step's
-        would. ``quiet``: another error is on its way; this one's own is dropped."""
-        try:
-            lr = await self._complete_fused(inflight)
-        except StepSkipped:
-            return False
-        except BaseException as error:
-            ahead.halt.set()
-            if quiet and isinstance(error, Exception):
-                return False
-            await self._flush_ahead(ahead, report, quiet=True)
-            if isinstance(error, WorkerFailedError):
-                await self._on_failure(error, inflight.window, report[0], 0)  # raises
-            raise
-        self._window_open = ahead.pending is not None  # the step behind it, if any
-        self._count(inflight.window)
-        cancelled, self._cancelled_in_step = self._cancelled_in_step, None
-        self._report(inflight.window, lr, *report)
-        if cancelled is not None:  # after a step every rank took; the one behind it too
-            ahead.halt.set()
-            if not quiet:
-                await self._flush_ahead(ahead, report, quiet=True)
-            raise cancelled
-        return True
-
-    async def _flush_ahead(self, ahead: _Ahead, report: _Report, *, quiet: bool = False) -> bool:
-        """Finish the step in flight and let go of the step lock; returns whether a queued
-        step was not taken (its batch is left over)."""
-        queued, ahead.pending = ahead.pending, None
-        try:
-            return queued is not None and not await self._finish_ahead(
-                ahead, queued, report, quiet=quiet
-            )
-        finally:
-            if ahead.locked:
-                ahead.locked = False
-                assert self._step_lock is not None
-                self._step_lock.release()
-
-    @contextlib.asynccontextmanager
-    async def _ahead_flushed(self, ahead: _Ahead | None, report: _Report) -> Any:
-        """On an error in the epoch loop, the step in flight is finished (and counted: every
-        rank takes it) before the error goes on, so that no collective is left running."""
-        try:
-            yield
-        finally:
-            if ahead is not None and (ahead.pending is not None or ahead.locked):
-                ahead.halt.set()  # a step not yet started stays so
-                with anyio.CancelScope(shield=True):
-                    await self._flush_ahead(ahead, report, quiet=True)
 
     def _epoch_record(self, epoch: int) -> EpochRecord:
         sums = self._epoch_sums

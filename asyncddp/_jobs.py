@@ -472,11 +472,8 @@ class Jobs:
         apply: ApplyWork,
         exchange: ExchangeWork,
         comm: Comm,
-        exchanging: Callable[[], None] | None = None,
     ) -> tuple[Global, float | None]:
-        """One device per rank: forward, backward, the exchange and the step in one job.
-        ``exchanging`` is called once the exchange's all-reduces are started (it must not
-        raise): the event loop's turn can run while this rank waits for the others."""
+        """One device per rank: forward, backward, the exchange and the step in one job."""
         local = Sums()
         local.add(earlier)
         this = self.train(ctx, train)
@@ -502,18 +499,8 @@ class Jobs:
 
             # Backed up in the exchange (which calls back_up, or raises before any step).
             apply = dataclasses.replace(apply, atomic=False)
-
-        def meanwhile() -> None:  # while the others' gradients come
-            if back_up is not None:
-                back_up()
-            if exchanging is not None:
-                # After the copy: the two at once made this rank's threads outnumber its core
-                # (measured: bench/distributed.py's ranks in turns, +0.33 ms a step against
-                # -0.04 ms with the loop woken after the copy).
-                exchanging()
-
         result, coefficient, _ = exchange_gradients(
-            comm, local, used, replica.grads.buffers, replica.buffers, exchange, meanwhile
+            comm, local, used, replica.grads.buffers, replica.buffers, exchange, back_up
         )
         if result.items == 0 and not failed:  # no rank had data: no step
             return result, replica.lr()

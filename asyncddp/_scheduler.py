@@ -127,30 +127,6 @@ class _Step:
             return self.running == 0
 
 
-class _Submitted:
-    """A step queued by :meth:`StepScheduler._submit`, for :meth:`StepScheduler._collect`."""
-
-    __slots__ = ("counts", "deadline", "epoch", "number", "on_cancel", "phase", "state")
-
-    def __init__(
-        self,
-        state: _Step,
-        counts: tuple[int, ...],
-        number: int,
-        epoch: int | None,
-        phase: str | None,
-        on_cancel: Callable[[], None] | None,
-        deadline: float | None,
-    ) -> None:
-        self.state = state
-        self.counts = counts
-        self.number = number
-        self.epoch = epoch
-        self.phase = phase
-        self.on_cancel = on_cancel
-        self.deadline = deadline
-
-
 def _execute(
     worker: DeviceWorker,
     state: CallerState,
@@ -475,34 +451,6 @@ class StepScheduler:
             the cancellation goes on; the event loop keeps running meanwhile, and the
             scheduler stays usable. With ``shield=True`` every job runs to its end first.
         """
-        submitted = self._submit(
-            fn,
-            shards,
-            items=items,
-            step=step,
-            epoch=epoch,
-            phase=phase,
-            shield=shield,
-            on_cancel=on_cancel,
-        )
-        del fn, shards  # an error's traceback holds this frame: let the shards go
-        return await self._collect(submitted)
-
-    def _submit(
-        self,
-        fn: Callable[[WorkerContext, S], T],
-        shards: Sequence[S],
-        *,
-        items: Sequence[int] | None = None,
-        step: int | None = None,
-        epoch: int | None = None,
-        phase: str | None = "train",
-        shield: bool = False,
-        on_cancel: Callable[[], None] | None = None,
-    ) -> _Submitted:
-        """:meth:`run`'s first half: check the step and queue its jobs, now, behind whatever
-        the workers still have to run; :meth:`_collect` awaits them. Apart for the trainer,
-        which queues a step behind the running one (see ``_epochs``)."""
         if self._state != "open":
             raise SchedulerClosedError(
                 f"{self!r} is not open; use 'async with StepScheduler(...) as scheduler:'"
@@ -514,24 +462,6 @@ class StepScheduler:
         waker = current_waker()
         deadline = None if self.step_timeout is None else time.monotonic() + self.step_timeout
         state = self._dispatch(waker, fn, shards, number, phase, shield=shield)
-        return _Submitted(state, counts, number, epoch, phase, on_cancel, deadline)
-
-    @staticmethod
-    async def _until(submitted: _Submitted, ready: Callable[[], bool]) -> None:
-        """Wait until ``ready()`` or until the step's jobs have all ended (a job that makes
-        ``ready()`` true must wake the step's waker, ``_Step.waker``). Not shielded: a
-        cancellation comes at once, and the step's jobs go on; :meth:`_collect` awaits them."""
-        state = submitted.state
-        while not ready() and not state.all_done():
-            await state.waker.wait(None)
-
-    async def _collect(self, submitted: _Submitted) -> StepResult[Any]:
-        """:meth:`run`'s second half: await the jobs :meth:`_submit` queued."""
-        state, counts, number = submitted.state, submitted.counts, submitted.number
-        epoch, phase, on_cancel = submitted.epoch, submitted.phase, submitted.on_cancel
-        shield = state.shielded
-        waker, deadline = state.waker, submitted.deadline
-        del submitted
         cancellation: BaseException | None = None
         if shield:
             cancellation = await self._wait_all_shielded(state, waker, deadline)
@@ -545,7 +475,7 @@ class StepScheduler:
                     on_cancel()
                 await self._drain(state, waker)
                 state.forget_jobs()
-                del state
+                del state, shards, fn
                 raise
         timeout = None if settled else self._timeout_error(state, number, epoch, phase)
         error: BaseException | None = None
@@ -578,7 +508,7 @@ class StepScheduler:
         finally:
             # The traceback holds this frame: break the error -> frame -> error cycle, and
             # let the shards and outputs go while the caller holds the error.
-            del error, state, cancellation, on_cancel
+            del error, state, shards, fn, cancellation, on_cancel
 
     def _dispatch(
         self,

@@ -70,7 +70,6 @@ class Window:
     batches: list[list[Any]] = field(default_factory=list)  # per micro-step: 1, or 1 per device
     done: int = 0  # micro-steps whose forward and backward have run
     ref: float = 1.0  # the reference count of counted items (see TrainWork.per_item)
-    index: int = 0  # across ranks: the window's number in the epoch (see _reference_count)
     sums: Sums = field(default_factory=Sums)
     device_items: dict[str, int] = field(default_factory=dict)  # by device name
 
@@ -125,8 +124,6 @@ class Steps:
     _apply_id: int
     _sparse_grads: bool  # the model makes sparse gradients (see has_sparse_gradients)
     _items_ref: float | None  # see _reference_count
-    _epoch_windows: int  # across ranks: the windows opened in this epoch (see _reference_count)
-    _window_items: dict[int, float]  # ... the last counted ones' global items, by index
     _cancelled_in_step: BaseException | None  # raised once the step is counted
 
     def _jobs(self) -> Jobs:
@@ -298,7 +295,7 @@ class Steps:
             total = sum(counts)
             opens = window.done == 0
             if opens:
-                window.ref = self._reference_count(window, total)
+                window.ref = self._reference_count(total)
             if not self._accumulates(window) and not self._distributed():
                 weights = [scale * n / total if total else 0.0 for n in counts]
             elif not self._distributed():  # the step's item count is known only at its end
@@ -339,25 +336,15 @@ class Steps:
         for one device in one process with one batch a step, whose mean is the step's."""
         return self._accumulates(window) or self._distributed() or len(self.devices) > 1
 
-    def _reference_count(self, window: Window, items: int) -> float:
-        """What the items of ``window``, opening, are weighted against (see
-        ``TrainWork.per_item``): the last counted step's total, else this micro-step's items.
-        The reduced gradients are multiplied by this over the step's total, so across ranks a
-        step as large as that one (every step, with even data) skips that pass over them.
-
-        Across ranks every rank must use the same: the global total of the epoch's window
-        two before this one, else 1. That window is counted on every rank by the time this
-        one opens, also where the epoch loop keeps a step ahead (``_epochs``), which counts
-        a step once the step after it is on its way: so ranks agree whichever way each runs
-        its steps (one with no batch left joins the others' last steps the ordinary way).
-        """
-        if self._distributed():
-            index = window.index = self._epoch_windows
-            self._epoch_windows += 1
-            return self._window_items.get(index - 2) or 1.0
+    def _reference_count(self, items: int) -> float:
+        """What a step's items are weighted against (see ``TrainWork.per_item``): the last
+        counted step's total, else this micro-step's items (across ranks, the last step's
+        global total, else 1: every rank must use the same). The reduced gradients are
+        multiplied by this over the step's total, so across ranks a step as large as the last
+        one (every step, with even data) skips that pass over the gradients."""
         if self._items_ref is not None:
             return self._items_ref
-        return float(max(items, 1))
+        return 1.0 if self._distributed() else float(max(items, 1))
 
     def _fusable(self, window: Window) -> bool:
         """The window's last micro-step, without loss scaling, runs as one job a device:
@@ -390,7 +377,7 @@ class Steps:
             return await self._optimizer_step(window)
         opens = window.done == 0
         if opens:
-            window.ref = self._reference_count(window, total)
+            window.ref = self._reference_count(total)
         self._window_open = True
         k_scale = self._accumulates(window)  # see _forward_backward
         weights = [float(c) if k_scale else (c / total if total else 0.0) for c in counts]

@@ -262,8 +262,6 @@ class Trainer(Resumable):
         self._epoch_rng: dict[str, Any] | None = None  # the RNG state the epoch started with
         self._epoch_sums = Sums()  # loss and metric sums of the epoch so far
         self._items_ref: float | None = None  # see _reference_count
-        self._epoch_windows = 0  # ... across ranks
-        self._window_items: dict[int, float] = {}
         self._epoch_items: dict[str, int] = {}  # items of the epoch so far, by device
         self._epoch_seconds = 0.0
         self._epoch_trained = False  # all batches done; validation and the epoch's end pending
