@@ -51,7 +51,7 @@ the step's all-reduce waits (a DDP communication hook wakes the loop as it start
 all-reduce; the next step is still handed over after this one ends); and the same with each
 step queued behind the running one, by the loop right after the turn (the floor of a design that
 queues steps ahead and takes the event loop's turn while the exchange waits). Every variant
-does DDP's all-reduce in a Python communication hook (the same in all four), whose completion
+does DDP's all-reduce in a Python communication hook (the same in all five), whose completion
 callback takes the GIL: in the wait, the all-reduce cannot complete before the turn ends. Rounds
 take ~17 s each (the ranks are given 600 s in all: keep ``--rounds`` under ~30).
 """
