@@ -36,7 +36,9 @@ Beside them, rank 0's CPU time a step (``time.process_time``, every thread of it
 step's own work, the threads' hand-offs, gloo's threads) and, for asyncddp, how much of it ran on
 the event loop's thread (``time.thread_time``): with one core per process, CPU a step more than
 DDP's is wall time a step more. The CPU a step splits by thread: the thread that trains, gloo's
-threads, the event loop's, the rest (``throughput.cpu_by_thread``).
+threads, the event loop's, the rest (``throughput.cpu_by_thread``). Last, rank 0's minor page
+faults a step (the median of the rounds): memory the C allocator handed back to the system and
+the next step touched afresh (see docs/benchmarks.md).
 
 ``--phases`` times the phases of asyncddp's step on rank 0's worker (the forward and backward,
 the exchange with the backup copied while its all-reduces run, the optimizer phase), on the wall
@@ -78,6 +80,7 @@ from throughput import (
     cpu_spent,
     ddp_gloo,
     make_batches,
+    per_step,
     ratio_line,
     run_two_ranks,
     step,
@@ -130,7 +133,7 @@ def _asyncddp_rank(
                 result = await trainer.fit(halves, epochs=2)
             spent = cpu_spent(*marks)
             seconds = result.history[-1].seconds
-            return steps * BATCH / seconds, {k: 1e3 * v / steps for k, v in spent.items()}
+            return steps * BATCH / seconds, per_step(spent, steps)
 
         figures = asyncio.run(run())
         if rank == 0:
@@ -516,16 +519,22 @@ def main() -> None:
             )
             for key, rows in figures.items()
         }
+        # Rank 0's minor page faults a step, the median of the rounds.
+        faults = {
+            key: statistics.median(cpu.get("faults", 0.0) for _, cpu in rows)
+            for key, rows in figures.items()
+        }
         print(f"\n{name}")
         print(
             f"  {'':<33} {'samples/s':>9} {'ms/step':>8} {'CPU ms/step':>12}"
-            "  of it: step  gloo  loop  other"
+            "  of it: step  gloo  loop  other  faults/step"
         )
         for key, (value, cpu) in median.items():
             loop = "     " if key == "ddp-gloo-2" else f"{cpu['loop']:5.2f}"
             print(
                 f"  {key:<33} {value:>9.0f} {1e3 * BATCH / value:>8.2f} {cpu['all']:>12.2f}"
                 f"  {cpu['step']:>10.2f} {cpu['gloo']:5.2f} {loop} {cpu['other']:6.2f}"
+                f"  {faults[key]:11.1f}"
             )
         ours, ddp = median["asyncddp-2proc"][1], median["ddp-gloo-2"][1]
         rates = {key: [row[0] for row in rows] for key, rows in figures.items()}

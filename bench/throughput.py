@@ -94,6 +94,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None  # type: ignore[assignment]
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -484,8 +489,7 @@ def _ddp_rank(
             _timed_pass(model, optimizer, batches, handoff, dist.barrier, backup=backup)
         )
         if rank == 0:
-            per_step = {kind: 1e3 * value / len(batches) for kind, value in cpu.items()}
-            results.put((len(batches) * BATCH / seconds, per_step))
+            results.put((len(batches) * BATCH / seconds, per_step(cpu, len(batches))))
     finally:
         dist.destroy_process_group()
 
@@ -496,8 +500,11 @@ def cpu_by_thread(main_runs_steps: bool) -> dict[str, float]:
     the kind being what it does: ``step``, the thread that trains (asyncddp's worker, the
     hand-off's worker, or the main thread where ``main_runs_steps``); ``loop``, the event
     loop's (the main thread otherwise); ``gloo``, gloo's threads (named ``gloo...`` or
-    ``pt_gloo...`` by torch); ``other``, the rest. See :func:`cpu_spent`."""
+    ``pt_gloo...`` by torch); ``other``, the rest. See :func:`cpu_spent`. Beside them,
+    ``"faults"``: the process's minor page faults so far (``getrusage``, where there is one)."""
     clocks = {"all": time.process_time()}
+    if resource is not None:
+        clocks["faults"] = float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
     tasks = Path("/proc/self/task")
     if not tasks.is_dir():
         return clocks
@@ -526,10 +533,18 @@ def cpu_by_thread(main_runs_steps: bool) -> dict[str, float]:
 CPU_KINDS = ("all", "step", "gloo", "loop", "other")
 
 
+def per_step(spent: dict[str, float], steps: int) -> dict[str, float]:
+    """:func:`cpu_spent`'s figures a step: CPU in ms, faults as counts."""
+    return {
+        kind: (1.0 if kind == "faults" else 1e3) * value / steps for kind, value in spent.items()
+    }
+
+
 def cpu_spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """CPU seconds between two :func:`cpu_by_thread` calls: ``"all"``, and by kind the threads
-    alive at both; what threads that started or ended in between took goes to ``"other"``."""
-    spent = dict.fromkeys(CPU_KINDS, 0.0)
+    alive at both; what threads that started or ended in between took goes to ``"other"``;
+    ``"faults"``, the minor page faults in between."""
+    spent = dict.fromkeys((*CPU_KINDS, "faults"), 0.0)
     spent["all"] = after["all"] - before["all"]
     for key, seconds in after.items():
         if key != "all" and key in before:
