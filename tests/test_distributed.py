@@ -7,6 +7,7 @@ the torchrun environment set by hand, so that killing one rank leaves the others
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +110,16 @@ def one_device_trainer(seed: int = 0, devices: str = "cpu", **options: Any) -> a
         progress_bar=False,
         **options,
     )
+
+
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[None]:
+    """A gloo process group of this process alone, for the block: a trainer made in it joins."""
+    torch.distributed.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def merged(data: list[Any]) -> list[Any]:
@@ -1013,7 +1025,6 @@ def test_a_step_as_large_as_the_last_takes_no_pass_to_scale_its_reduced_gradient
     # all-reduce (a pass over every gradient, 2 MB a step on the benchmarks' MLP); a step of
     # another size is scaled to the exact mean. A one-process gloo group, in this process.
     import anyio
-    import torch.distributed as dist
 
     from asyncddp import _sync
 
@@ -1026,12 +1037,9 @@ def test_a_step_as_large_as_the_last_takes_no_pass_to_scale_its_reduced_gradient
 
     monkeypatch.setattr(_sync, "scale_grads", spy)
     data = worker.batches(4)  # 12, 12, 12, then 7 items
-    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
-    try:
+    with one_rank_group():
         trainer = one_device_trainer(0)  # joins the group
         anyio.run(functools.partial(trainer.fit, data, epochs=1))
-    finally:
-        dist.destroy_process_group()
     assert coefficients == [1 / 12, 1.0, 1.0, 12 / 7]
     expected = one_device_trainer(0)
     anyio.run(functools.partial(expected.fit, data, epochs=1))
@@ -1047,7 +1055,6 @@ def test_the_step_backup_is_copied_while_the_gradients_are_exchanged(
     # rank waits for the others' gradients (the parameters and optimizer state do not change
     # in the exchange), not after it on the step's own time. A one-process gloo group.
     import anyio
-    import torch.distributed as dist
 
     from asyncddp import _comm, _sync
 
@@ -1075,14 +1082,11 @@ def test_the_step_backup_is_copied_while_the_gradients_are_exchanged(
     monkeypatch.setattr(_comm.Comm, "_issue", spied_issue)
     monkeypatch.setattr(_sync.StepBackup, "capture", spied_capture)
     data = worker.batches(4)
-    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
-    try:
+    with one_rank_group():
         trainer = one_device_trainer(0)
         anyio.run(functools.partial(trainer.fit, data, epochs=1))
         assert trainer._comm is not None
         assert trainer._comm.packed() == (exchange == "packed")
-    finally:
-        dist.destroy_process_group()
     at = [i for i, event in enumerate(events) if event == "capture"]
     # One for each of the 4 steps, and one for the exchange after the last batch, where the
     # rank learns that no rank has more (had another one data, that would be a step).
@@ -1102,7 +1106,6 @@ def test_a_backup_that_fails_during_the_exchange_fails_the_step_before_it_is_tak
     # still completes (the other ranks are in it), then the step fails in its optimizer phase
     # without being taken: the model is the one the step before it left.
     import anyio
-    import torch.distributed as dist
 
     from asyncddp import _sync
 
@@ -1117,13 +1120,10 @@ def test_a_backup_that_fails_during_the_exchange_fails_the_step_before_it_is_tak
 
     monkeypatch.setattr(_sync.StepBackup, "capture", failing)
     data = worker.batches(4)
-    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
-    try:
+    with one_rank_group():
         trainer = one_device_trainer(0)
         with pytest.raises(asyncddp.WorkerFailedError) as caught:
             anyio.run(functools.partial(trainer.fit, data, epochs=1))
-    finally:
-        dist.destroy_process_group()
     error = caught.value
     assert (error.rank, error.phase, error.step) == (0, "optimizer", 1)
     assert isinstance(error.__cause__, MemoryError)
