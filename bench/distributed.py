@@ -37,8 +37,9 @@ step's own work, the threads' hand-offs, gloo's threads) and, for asyncddp, how 
 the event loop's thread (``time.thread_time``): with one core per process, CPU a step more than
 DDP's is wall time a step more. The CPU a step splits by thread: the thread that trains, gloo's
 threads, the event loop's, the rest (``throughput.cpu_by_thread``). Last, rank 0's minor page
-faults a step (the median of the rounds): memory the C allocator handed back to the system and
-the next step touched afresh (see docs/benchmarks.md).
+faults a step (the median of the rounds; blank where ``getrusage`` is missing): in the runs so
+far mostly memory the C allocator handed back to the system and the next step touched afresh
+(see docs/benchmarks.md).
 
 ``--phases`` times the phases of asyncddp's step on rank 0's worker (the forward and backward,
 the exchange with the backup copied while its all-reduces run, the optimizer phase), on the wall
@@ -80,9 +81,9 @@ from throughput import (
     cpu_spent,
     ddp_gloo,
     make_batches,
-    per_step,
     ratio_line,
     run_two_ranks,
+    spent_a_step,
     step,
 )
 
@@ -133,7 +134,7 @@ def _asyncddp_rank(
                 result = await trainer.fit(halves, epochs=2)
             spent = cpu_spent(*marks)
             seconds = result.history[-1].seconds
-            return steps * BATCH / seconds, per_step(spent, steps)
+            return steps * BATCH / seconds, spent_a_step(spent, steps)
 
         figures = asyncio.run(run())
         if rank == 0:
@@ -272,7 +273,7 @@ def asyncddp_2proc(
     workload: str, steps: int, threads: int, atomic: bool = True
 ) -> tuple[float, dict[str, float]]:
     """Samples per second, and rank 0's CPU time a step in ms by kind of thread (see
-    ``throughput.cpu_by_thread``)."""
+    ``throughput.cpu_by_thread``) with its minor page faults a step (``"faults"``)."""
     samples_per_second, cpu = run_two_ranks(
         _asyncddp_rank, max(1, threads // 2), workload, steps, atomic, name="asyncddp"
     )
@@ -521,7 +522,11 @@ def main() -> None:
         }
         # Rank 0's minor page faults a step, the median of the rounds.
         faults = {
-            key: statistics.median(cpu.get("faults", 0.0) for _, cpu in rows)
+            key: (
+                f"{statistics.median(cpu['faults'] for _, cpu in rows):11.1f}"
+                if all("faults" in cpu for _, cpu in rows)
+                else ""
+            )
             for key, rows in figures.items()
         }
         print(f"\n{name}")
@@ -534,7 +539,7 @@ def main() -> None:
             print(
                 f"  {key:<33} {value:>9.0f} {1e3 * BATCH / value:>8.2f} {cpu['all']:>12.2f}"
                 f"  {cpu['step']:>10.2f} {cpu['gloo']:5.2f} {loop} {cpu['other']:6.2f}"
-                f"  {faults[key]:11.1f}"
+                f"  {faults[key]}"
             )
         ours, ddp = median["asyncddp-2proc"][1], median["ddp-gloo-2"][1]
         rates = {key: [row[0] for row in rows] for key, rows in figures.items()}

@@ -489,7 +489,7 @@ def _ddp_rank(
             _timed_pass(model, optimizer, batches, handoff, dist.barrier, backup=backup)
         )
         if rank == 0:
-            results.put((len(batches) * BATCH / seconds, per_step(cpu, len(batches))))
+            results.put((len(batches) * BATCH / seconds, spent_a_step(cpu, len(batches))))
     finally:
         dist.destroy_process_group()
 
@@ -533,7 +533,7 @@ def cpu_by_thread(main_runs_steps: bool) -> dict[str, float]:
 CPU_KINDS = ("all", "step", "gloo", "loop", "other")
 
 
-def per_step(spent: dict[str, float], steps: int) -> dict[str, float]:
+def spent_a_step(spent: dict[str, float], steps: int) -> dict[str, float]:
     """:func:`cpu_spent`'s figures a step: CPU in ms, faults as counts."""
     return {
         kind: (1.0 if kind == "faults" else 1e3) * value / steps for kind, value in spent.items()
@@ -543,11 +543,13 @@ def per_step(spent: dict[str, float], steps: int) -> dict[str, float]:
 def cpu_spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """CPU seconds between two :func:`cpu_by_thread` calls: ``"all"``, and by kind the threads
     alive at both; what threads that started or ended in between took goes to ``"other"``;
-    ``"faults"``, the minor page faults in between."""
-    spent = dict.fromkeys((*CPU_KINDS, "faults"), 0.0)
-    spent["all"] = after["all"] - before["all"]
+    ``"faults"``, the minor page faults in between (where both calls counted them)."""
+    spent = dict.fromkeys(CPU_KINDS, 0.0)
+    for key in ("all", "faults"):
+        if key in before and key in after:
+            spent[key] = after[key] - before[key]
     for key, seconds in after.items():
-        if key != "all" and key in before:
+        if ":" in key and key in before:
             spent[key.partition(":")[0]] += seconds - before[key]
     spent["other"] = spent["all"] - spent["step"] - spent["gloo"] - spent["loop"]
     return spent
@@ -603,7 +605,8 @@ def ddp_gloo(
     backup: bool = False,
 ) -> tuple[float, dict[str, float]]:
     """DDP's samples per second, and rank 0's CPU time a step in ms by kind of thread
-    (:func:`cpu_by_thread`; ``"all"``: every thread of its process); with ``handoff``, each
+    (:func:`cpu_by_thread`; ``"all"``: every thread of its process) with its minor page faults
+    a step (``"faults"``); with ``handoff``, each
     rank's steps run on a worker thread, handed over from an event loop (:class:`HandOff`);
     with ``backup``, each step copies the parameters and optimizer state first. A
     run whose gloo rank aborts (seen once here: "terminate called without an active
