@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import _sched
 from ._devices import Device
 
 __all__ = [
@@ -125,6 +126,14 @@ class CallerState(NamedTuple):
         )
 
 
+def _in_process_group() -> bool:
+    """Whether this process has joined a process group: there CPU workers keep the kernel's
+    default slice, unless ``ASYNCDDP_WORKER_SLICE_MS`` chooses one. Each step the ranks'
+    workers wait for each other, in processes of their own, and a worker woken behind another
+    rank's long-slice worker would wait out that slice (see :mod:`._sched`)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 class DeviceWorker:
     """A thread that runs one device's jobs, in order.
 
@@ -211,6 +220,8 @@ class DeviceWorker:
         return result
 
     def _main(self) -> None:
+        if self.device.type == "cpu" and (_sched.slice_chosen() or not _in_process_group()):
+            _sched.prefer_throughput()  # the event loop's thread then preempts this one
         if self.threads is not None:
             torch.set_num_threads(self.threads)  # per thread: the caller's setting is untouched
         if self.device.is_cuda:
