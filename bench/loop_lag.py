@@ -8,6 +8,9 @@ A task sleeps 1 ms in a loop and records how late each wake-up is. It runs besid
 - asyncddp: ``await trainer.fit(...)`` on ``cpu_devices(2)`` (the MLP 512-1024-10, batch 256),
   which keeps every core busy;
 - asyncddp, a core free: the same on one worker with one thread, leaving a core to the loop;
+- asyncddp, default slice: the first row with the workers left at the kernel's default
+  scheduler slice (``ASYNCDDP_WORKER_SLICE_MS=0``; see ``asyncddp/_sched.py``), as before they
+  asked for a long one: on Linux 6.12 and later what the long slice changes, elsewhere nothing;
 - blocking: the same training as a plain loop called from a coroutine, which is what a
   training library without async support does to an event loop.
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 
@@ -25,6 +29,8 @@ import torch
 from throughput import SGD, make_batches, mlp, step, train
 
 import asyncddp
+
+SLICE_VARIABLE = "ASYNCDDP_WORKER_SLICE_MS"  # read by each worker as it starts
 
 
 async def ticker(lags: list[float], stop: asyncio.Event) -> None:
@@ -61,6 +67,19 @@ async def train_asyncddp(
     await trainer.fit(batches, epochs=epochs)
 
 
+async def train_default_slice(batches: list[object], epochs: int) -> None:
+    """The same training, its workers at the kernel's default slice (read as they start)."""
+    saved = os.environ.get(SLICE_VARIABLE)
+    os.environ[SLICE_VARIABLE] = "0"
+    try:
+        await train_asyncddp(batches, epochs)
+    finally:
+        if saved is None:
+            del os.environ[SLICE_VARIABLE]
+        else:
+            os.environ[SLICE_VARIABLE] = saved
+
+
 async def train_blocking(batches: list[object], epochs: int) -> None:
     torch.manual_seed(0)
     model = mlp()
@@ -73,7 +92,7 @@ def describe(name: str, lags: list[float]) -> str:
     ordered = sorted(lags)
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
     return (
-        f"  {name:<11} ticks {len(lags):>5}   p50 {1e3 * statistics.median(ordered):7.3f} ms   "
+        f"  {name:<13} ticks {len(lags):>5}   p50 {1e3 * statistics.median(ordered):7.3f} ms   "
         f"p99 {1e3 * p99:8.3f} ms   max {1e3 * ordered[-1]:8.3f} ms"
     )
 
@@ -93,9 +112,11 @@ async def main() -> None:
     print(f"lag of a 1 ms ticker, {args.epochs} epochs x {args.steps} steps of the MLP, batch 256")
     ours = await beside(train_asyncddp(batches, args.epochs), args.steps)
     spare = await beside(train_asyncddp(batches, args.epochs, devices=1, threads=1), args.steps)
+    default = await beside(train_default_slice(batches, args.epochs), args.steps)
     blocked = await beside(train_blocking(batches, args.epochs), args.steps)
     print(describe("asyncddp", ours))
     print(describe("1 core free", spare))
+    print(describe("default slice", default))
     print(describe("blocking", blocked))
     ordered = sorted(ours)
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
