@@ -126,12 +126,18 @@ class CallerState(NamedTuple):
         )
 
 
-def _in_process_group() -> bool:
-    """Whether this process has joined a process group: there CPU workers keep the kernel's
-    default slice, unless ``ASYNCDDP_WORKER_SLICE_MS`` chooses one. Each step the ranks'
+def _ask_for_a_slice() -> None:
+    """A CPU worker's scheduler slice, as it starts (see :mod:`._sched`): the one
+    ``ASYNCDDP_WORKER_SLICE_MS`` chooses; else a long one, so that the event loop's thread
+    preempts this one as it wakes, but not in a process group. There each step the ranks'
     workers wait for each other, in processes of their own, and a worker woken behind another
-    rank's long-slice worker would wait out that slice (see :mod:`._sched`)."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    rank's long-slice worker would wait out that slice. (A worker started before its process
+    joins a group keeps the long slice.)"""
+    chosen = _sched.chosen_slice_ms()
+    if chosen is not None:
+        _sched.prefer_throughput(chosen)
+    elif not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        _sched.prefer_throughput()
 
 
 class DeviceWorker:
@@ -220,8 +226,8 @@ class DeviceWorker:
         return result
 
     def _main(self) -> None:
-        if self.device.type == "cpu" and (_sched.slice_chosen() or not _in_process_group()):
-            _sched.prefer_throughput()  # the event loop's thread then preempts this one
+        if self.device.type == "cpu":
+            _ask_for_a_slice()
         if self.threads is not None:
             torch.set_num_threads(self.threads)  # per thread: the caller's setting is untouched
         if self.device.is_cuda:
