@@ -6,6 +6,7 @@ Run:  python bench/distributed.py            (a few minutes on 2 cores)
       python bench/distributed.py --exchange (the header and gradients, sizes 100 to 535562)
       python bench/distributed.py --workloads "linear 16-10" --steps 300
                                              (a model whose step is its fixed costs alone)
+      python bench/distributed.py --slice-cost  (the workers' long scheduler slice, in turns)
       python bench/distributed.py --loop-turn   (what an event loop's turn of Python a step
                                              costs DDP handed off: between steps, or while
                                              the all-reduce waits; ~6 minutes)
@@ -89,7 +90,7 @@ from throughput import (
 
 import asyncddp
 import asyncddp.distributed
-from asyncddp import _comm, _jobs, _sync
+from asyncddp import _comm, _jobs, _sched, _sync
 
 
 def _asyncddp_rank(
@@ -280,6 +281,43 @@ def asyncddp_2proc(
     return float(samples_per_second), cpu
 
 
+def slice_cost(steps: int, rounds: int) -> None:
+    """asyncddp's ranks with their CPU workers at the kernel's default slice (as in a process
+    group by default) and at the long slice they ask for outside one (``asyncddp/_sched.py``),
+    in turns: what the long slice would cost across processes."""
+    variable, long_ms = _sched.SLICE_VARIABLE, _sched.WORKER_SLICE_MS
+    saved = os.environ.get(variable)
+    ms: dict[str, list[float]] = {"default slice": [], f"{long_ms:g} ms slice": []}
+    try:
+        for index in range(rounds):
+            order = list(ms) if index % 2 == 0 else list(ms)[::-1]  # reversed every other round
+            for name in order:
+                os.environ[variable] = "0" if name == "default slice" else f"{long_ms:g}"
+                samples_per_second, _ = asyncddp_2proc(
+                    "mlp 512-1024-10", steps, torch.get_num_threads()
+                )
+                ms[name].append(1e3 * BATCH / samples_per_second)
+    finally:
+        if saved is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = saved
+    print(
+        f"asyncddp, 2 processes x 1 CPU device (mlp 512-1024-10), its workers at the default "
+        f"and at a {long_ms:g} ms scheduler slice; median of {rounds} rounds x {steps} steps, "
+        "in turns"
+    )
+    for name, values in ms.items():
+        print(f"  {name:<16} {statistics.median(values):7.2f} ms/step")
+    default, long = ms.values()
+    ratios = [b / a for a, b in zip(default, long, strict=True)]
+    middle, low, high = _median_quartiles(ratios)
+    print(
+        f"  the long slice's step over the default's: {middle:.3f}x (the rounds' quartiles "
+        f"{low:.3f}..{high:.3f}; slower in {sum(r > 1 for r in ratios)} of {len(ratios)} rounds)"
+    )
+
+
 def _busy(n: int) -> int:
     """Python bytecode for a while, holding the GIL as an event loop's own work does."""
     table: dict[int, int] = {}
@@ -468,6 +506,11 @@ def main() -> None:
         help="what an event loop's turn a step costs DDP handed off, between steps or in the wait",
     )
     parser.add_argument(
+        "--slice-cost",
+        action="store_true",
+        help="asyncddp's ranks with their workers at the default and at the long scheduler slice",
+    )
+    parser.add_argument(
         "--turn-us",
         type=float,
         default=370.0,
@@ -478,6 +521,10 @@ def main() -> None:
     if args.loop_turn:  # at least 20 rounds of 300 steps (unless --quick)
         steps, rounds = (8, 1) if args.quick else (max(args.steps, 300), max(args.rounds, 20))
         loop_turn(steps, rounds, args.turn_us)
+        return
+    if args.slice_cost:  # at least 8 rounds of 300 steps (unless --quick)
+        steps, rounds = (8, 1) if args.quick else (max(args.steps, 300), max(args.rounds, 8))
+        slice_cost(steps, rounds)
         return
     if args.quick:
         args.steps, args.rounds = 8, 1

@@ -2,6 +2,8 @@
 
 Run:  python bench/loop_lag.py            (about half a minute)
       python bench/loop_lag.py --quick
+      python bench/loop_lag.py --slice-cost   (what the workers' long scheduler slice costs
+                                             training in one process, in turns; ~2 minutes)
 
 A task sleeps 1 ms in a loop and records how late each wake-up is. It runs beside:
 
@@ -80,6 +82,67 @@ async def train_default_slice(batches: list[object], epochs: int) -> None:
             os.environ[SLICE_VARIABLE] = saved
 
 
+#: ``--slice-cost``'s set-ups: (name, CPU workers, threads per worker, fits side by side).
+SLICE_SETUPS = (
+    ("2 workers x 1 thread", 2, 1, 1),
+    ("1 worker x 2 threads", 1, 2, 1),
+    ("2 workers x 2 threads", 2, 2, 1),
+    ("two fits of 2 x 1 at once", 2, 1, 2),
+)
+
+
+async def samples_per_second(batches: list[object], devices: int, threads: int, fits: int) -> float:
+    """Samples per second of ``fits`` fits side by side, each 2 epochs on ``devices`` CPU
+    workers (the second epoch timed: the threads warm)."""
+
+    async def one() -> float:
+        torch.manual_seed(0)
+        trainer = asyncddp.Trainer(
+            mlp(),
+            SGD,
+            step,
+            devices=asyncddp.cpu_devices(devices),
+            progress_bar=False,
+            threads_per_worker=threads,
+        )
+        result = await trainer.fit(batches, epochs=2)
+        return len(batches) * 256 / result.history[-1].seconds
+
+    return sum(await asyncio.gather(*(one() for _ in range(fits))))
+
+
+async def slice_cost(batches: list[object], rounds: int) -> None:
+    """Training speed with the workers' long slice over the kernel's default, in turns."""
+    saved = os.environ.get(SLICE_VARIABLE)
+    speed: dict[tuple[str, bool], list[float]] = {}
+    try:
+        for index in range(rounds):
+            for long in (True, False) if index % 2 == 0 else (False, True):
+                if long:  # asyncddp's default: the long slice (outside a process group)
+                    os.environ.pop(SLICE_VARIABLE, None)
+                else:
+                    os.environ[SLICE_VARIABLE] = "0"
+                for name, devices, threads, fits in SLICE_SETUPS:
+                    figure = await samples_per_second(batches, devices, threads, fits)
+                    speed.setdefault((name, long), []).append(figure)
+    finally:
+        if saved is None:
+            os.environ.pop(SLICE_VARIABLE, None)
+        else:
+            os.environ[SLICE_VARIABLE] = saved
+    print(
+        f"samples/s with the CPU workers' long scheduler slice over the kernel's default, the "
+        f"MLP, in turns, median of {rounds} rounds ({os.cpu_count()} CPUs)"
+    )
+    for name, *_ in SLICE_SETUPS:
+        ratios = [a / b for a, b in zip(speed[(name, True)], speed[(name, False)], strict=True)]
+        low, _, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        print(
+            f"  {name:<26} {statistics.median(ratios):.3f}x (the rounds' quartiles "
+            f"{low:.3f}..{high:.3f}; faster in {sum(r > 1 for r in ratios)} of {len(ratios)})"
+        )
+
+
 async def train_blocking(batches: list[object], epochs: int) -> None:
     torch.manual_seed(0)
     model = mlp()
@@ -102,13 +165,22 @@ async def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="batches per epoch")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--slice-cost",
+        action="store_true",
+        help="training speed with the workers' long scheduler slice and without, in turns",
+    )
+    parser.add_argument("--rounds", type=int, default=8, help="--slice-cost's rounds")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.epochs = 10, 1
+        args.steps, args.epochs, args.rounds = 10, 1, 1
     # The first optimizer a process builds imports torch._dynamo, holding the GIL for up to
     # ~130 ms at a time (see docs/services.md): pay it before measuring, as a service would.
     torch.optim.SGD(torch.nn.Linear(1, 1).parameters())
     batches = make_batches((512,), args.steps)
+    if args.slice_cost:
+        await slice_cost(batches, args.rounds)
+        return
     print(f"lag of a 1 ms ticker, {args.epochs} epochs x {args.steps} steps of the MLP, batch 256")
     ours = await beside(train_asyncddp(batches, args.epochs), args.steps)
     spare = await beside(train_asyncddp(batches, args.epochs, devices=1, threads=1), args.steps)
