@@ -12,9 +12,9 @@ event loop's lag (docs/benchmarks.md, "Event-loop lag").
 
 Not in a process group (see ``_worker``): there each step the ranks' workers, in processes of
 their own, wait for each other, and a worker that wakes behind another rank's long-slice
-worker waits out that slice (asyncddp across 2 processes on 2 cores ran 4% slower a step with
-it, slower in 7 of 8 rounds; 7% in another run). In one process no cost was measured (see
-docs/benchmarks.md).
+worker waits out that slice (asyncddp across 2 processes on 2 cores ran 4-7% slower a step with
+it: ``python bench/distributed.py --slice-cost``). In one process no cost was measured
+(``python bench/loop_lag.py --slice-cost``; see docs/benchmarks.md).
 
 Only the slice changes. The thread's weight (its nice value), policy and reset-on-fork flag are
 kept: a worker gets the share of the CPU it had, so one that holds the GIL is not starved of a
