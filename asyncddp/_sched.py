@@ -99,10 +99,11 @@ def _calls() -> tuple[object, int, int] | None:
 
 def chosen_slice_ms() -> float | None:
     """The slice ``ASYNCDDP_WORKER_SLICE_MS`` chooses, in milliseconds (``0``: none); ``None``
-    when it is not set, or not a finite number (with a warning: the default applies)."""
+    when it is not set or empty, or not a finite number (with a warning: the default
+    applies)."""
     value = os.environ.get(SLICE_VARIABLE)
-    if value is None:
-        return None
+    if value is None or not value.strip():
+        return None  # unset, or set empty (as CI matrices often do)
     try:
         milliseconds = float(value)
     except ValueError:
@@ -140,12 +141,13 @@ def thread_slice_ns(tid: int = 0) -> int | None:
 
 
 def prefer_throughput(milliseconds: float = WORKER_SLICE_MS) -> bool:
-    """Ask for a slice of ``milliseconds`` for the calling thread (see the module's notes).
-    Returns whether the kernel took the request (a kernel before 6.12 takes it and ignores
-    it). Never raises."""
-    if milliseconds <= 0:
-        return False
+    """Ask for a slice of ``milliseconds`` for the calling thread (see the module's notes),
+    within the kernel's range, 0.1-100 ms; 0 or less asks for nothing. Returns whether the
+    kernel took the request (a kernel before 6.12 takes it and ignores it). Never raises."""
     try:
+        if not milliseconds > 0:
+            return False
+        nanoseconds = round(min(max(milliseconds, 0.1), 100.0) * 1_000_000)
         calls = _calls()
         attr = _get(0)
         if calls is None or attr is None or attr.sched_policy not in (_SCHED_OTHER, _SCHED_BATCH):
@@ -156,7 +158,7 @@ def prefer_throughput(milliseconds: float = WORKER_SLICE_MS) -> bool:
             sched_policy=attr.sched_policy,
             sched_flags=attr.sched_flags & _SCHED_FLAG_RESET_ON_FORK,
             sched_nice=attr.sched_nice,  # kept: raising a thread's priority needs privileges
-            sched_runtime=int(milliseconds * 1_000_000),
+            sched_runtime=nanoseconds,
         )
         if syscall(setattr_call, 0, ctypes.byref(wanted), 0) != 0:  # type: ignore[operator]
             _log.debug(

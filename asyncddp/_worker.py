@@ -126,18 +126,22 @@ class CallerState(NamedTuple):
         )
 
 
-def _ask_for_a_slice() -> None:
-    """A CPU worker's scheduler slice, as it starts (see :mod:`._sched`): the one
-    ``ASYNCDDP_WORKER_SLICE_MS`` chooses; else a long one, so that the event loop's thread
-    preempts this one as it wakes, but not in a process group. There each step the ranks'
-    workers wait for each other, in processes of their own, and a worker woken behind another
-    rank's long-slice worker would wait out that slice. (A worker started before its process
-    joins a group keeps the long slice.)"""
+def _cpu_worker_slice() -> float | None:
+    """The scheduler slice a CPU worker asks for, in ms (see :mod:`._sched`); ``None``: none.
+
+    The one ``ASYNCDDP_WORKER_SLICE_MS`` chooses; else a long one, so that the event loop's
+    thread preempts the worker as it wakes, but not in a process group. There each step the
+    ranks' workers wait for each other, in processes of their own, and a worker woken behind
+    another rank's long-slice worker would wait out that slice. Decided as the worker starts,
+    on the thread that starts it: a warning about the variable comes up there, and a process
+    that joins a group later keeps the slice its running workers have.
+    """
     chosen = _sched.chosen_slice_ms()
     if chosen is not None:
-        _sched.prefer_throughput(chosen)
-    elif not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        _sched.prefer_throughput()
+        return chosen or None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return None
+    return _sched.WORKER_SLICE_MS
 
 
 class DeviceWorker:
@@ -166,6 +170,7 @@ class DeviceWorker:
         self._thread = threading.Thread(
             target=self._main, name=f"asyncddp-worker[{device.name}]", daemon=True
         )
+        self._slice_ms: float | None = None  # the scheduler slice to ask for (see start)
 
     @property
     def thread(self) -> threading.Thread:
@@ -174,6 +179,8 @@ class DeviceWorker:
 
     def start(self) -> None:
         """Start the thread. It sets up its device (and stream) before its first job."""
+        if self.device.type == "cpu":
+            self._slice_ms = _cpu_worker_slice()
         self._thread.start()
 
     def submit(self, job: Job) -> None:
@@ -226,8 +233,8 @@ class DeviceWorker:
         return result
 
     def _main(self) -> None:
-        if self.device.type == "cpu":
-            _ask_for_a_slice()
+        if self._slice_ms is not None:
+            _sched.prefer_throughput(self._slice_ms)  # never raises
         if self.threads is not None:
             torch.set_num_threads(self.threads)  # per thread: the caller's setting is untouched
         if self.device.is_cuda:

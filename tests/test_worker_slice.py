@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from torch.distributed import HashStore
@@ -126,14 +128,23 @@ def test_a_gpu_worker_asks_for_nothing(asked: list[float]) -> None:
 async def test_a_refused_request_leaves_the_worker_running(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def refused(*args: Any) -> int:
-        return -1
+    def refused(number: int, *args: Any) -> int:
+        return -1 if number == 314 else 0  # sched_setattr refused, sched_getattr answered
 
     monkeypatch.setattr(_sched, "_calls", lambda: (refused, 314, 315))
     assert in_thread(_sched.prefer_throughput) is False
-    assert in_thread(_sched.thread_slice_ns) is None
     async with StepScheduler(cpu_devices(1)) as scheduler:
         assert (await scheduler.run(lambda ctx, shard: shard + 1, [1])).outputs == (2,)
+
+
+def test_a_call_that_raises_is_no_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any) -> int:
+        raise OSError("no such call")
+
+    monkeypatch.setattr(_sched, "_calls", lambda: (broken, 314, 315))
+    assert in_thread(_sched.prefer_throughput) is False
+    assert in_thread(_sched.thread_slice_ns) is None
+    assert in_thread(lambda: _sched.prefer_throughput("30")) is False  # type: ignore[arg-type]
 
 
 def test_elsewhere_nothing_happens_and_nothing_raises(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -143,22 +154,47 @@ def test_elsewhere_nothing_happens_and_nothing_raises(monkeypatch: pytest.Monkey
 
 
 @pytest.mark.parametrize(
-    ("value", "chosen"), [("12.5", 12.5), ("0", 0.0), ("-5", 0.0), (" 7 ", 7.0)]
+    ("value", "chosen"),
+    [("12.5", 12.5), ("0", 0.0), ("-5", 0.0), (" 7 ", 7.0), ("", None), ("  ", None)],
 )
 def test_the_variable_chooses_the_slice(
-    monkeypatch: pytest.MonkeyPatch, value: str, chosen: float
+    monkeypatch: pytest.MonkeyPatch, value: str, chosen: float | None
 ) -> None:
     monkeypatch.setenv(_sched.SLICE_VARIABLE, value)
     assert _sched.chosen_slice_ms() == chosen
 
 
-@pytest.mark.parametrize("value", ["", "fast", "inf", "nan"])
+@pytest.mark.parametrize("value", ["fast", "inf", "nan"])
 def test_a_variable_that_is_no_number_warns_and_chooses_nothing(
     monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
     monkeypatch.setenv(_sched.SLICE_VARIABLE, value)
     with pytest.warns(RuntimeWarning, match="not a number of milliseconds"):
         assert _sched.chosen_slice_ms() is None
+
+
+async def test_a_variable_that_is_no_number_warns_where_the_workers_start(
+    monkeypatch: pytest.MonkeyPatch, asked: list[float]
+) -> None:
+    monkeypatch.setenv(_sched.SLICE_VARIABLE, "fast")
+    with pytest.warns(RuntimeWarning, match="not a number of milliseconds"):
+        async with StepScheduler(cpu_devices(1)) as scheduler:
+            result = await scheduler.run(lambda ctx, shard: shard + 1, [1])
+    assert result.outputs == (2,)
+    assert asked == [_sched.WORKER_SLICE_MS]
+
+
+async def test_with_warnings_as_errors_a_bad_variable_raises_and_no_step_hangs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Raised on the thread that starts the workers: a worker thread that raised it instead
+    # would die before its first job, and the step would wait for it forever.
+    monkeypatch.setenv(_sched.SLICE_VARIABLE, "fast")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with anyio.fail_after(30), pytest.raises(RuntimeWarning, match="not a number"):
+            async with StepScheduler(cpu_devices(2)) as scheduler:
+                await scheduler.run(lambda ctx, shard: shard, [1, 2])
 
 
 def test_a_slice_of_zero_asks_for_nothing() -> None:
@@ -199,6 +235,16 @@ async def test_in_a_process_group_workers_keep_the_default_slice() -> None:
         result = await scheduler.run(own_slice, [None])
     assert result.outputs == (default,)
     assert default != WORKER_SLICE_NS
+
+
+@custom_slices
+@pytest.mark.parametrize(("asked_ms", "got_ns"), [(1e30, 100_000_000), (1e-7, 100_000)])
+def test_a_slice_out_of_the_kernels_range_is_brought_into_it(asked_ms: float, got_ns: int) -> None:
+    def ask() -> int | None:
+        assert _sched.prefer_throughput(asked_ms)
+        return _sched.thread_slice_ns()
+
+    assert in_thread(ask) == got_ns
 
 
 @custom_slices
