@@ -86,6 +86,7 @@ from throughput import (
     run_two_ranks,
     spent_a_step,
     step,
+    worker_slice,
 )
 
 import asyncddp
@@ -285,23 +286,16 @@ def slice_cost(steps: int, rounds: int) -> None:
     """asyncddp's ranks with their CPU workers at the kernel's default slice (as in a process
     group by default) and at the long slice they ask for outside one (``asyncddp/_sched.py``),
     in turns: what the long slice would cost across processes."""
-    variable, long_ms = _sched.SLICE_VARIABLE, _sched.WORKER_SLICE_MS
-    saved = os.environ.get(variable)
+    long_ms = _sched.WORKER_SLICE_MS
     ms: dict[str, list[float]] = {"default slice": [], f"{long_ms:g} ms slice": []}
-    try:
-        for index in range(rounds):
-            order = list(ms) if index % 2 == 0 else list(ms)[::-1]  # reversed every other round
-            for name in order:
-                os.environ[variable] = "0" if name == "default slice" else f"{long_ms:g}"
+    for index in range(rounds):
+        order = list(ms) if index % 2 == 0 else list(ms)[::-1]  # reversed every other round
+        for name in order:
+            with worker_slice("0" if name == "default slice" else f"{long_ms:g}"):
                 samples_per_second, _ = asyncddp_2proc(
                     "mlp 512-1024-10", steps, torch.get_num_threads()
                 )
-                ms[name].append(1e3 * BATCH / samples_per_second)
-    finally:
-        if saved is None:
-            os.environ.pop(variable, None)
-        else:
-            os.environ[variable] = saved
+            ms[name].append(1e3 * BATCH / samples_per_second)
     print(
         f"asyncddp, 2 processes x 1 CPU device (mlp 512-1024-10), its workers at the default "
         f"and at a {long_ms:g} ms scheduler slice; median of {rounds} rounds x {steps} steps, "

@@ -28,11 +28,9 @@ import statistics
 import time
 
 import torch
-from throughput import SGD, make_batches, mlp, step, train
+from throughput import SGD, make_batches, mlp, step, train, worker_slice
 
 import asyncddp
-
-SLICE_VARIABLE = "ASYNCDDP_WORKER_SLICE_MS"  # read by each worker as it starts
 
 
 async def ticker(lags: list[float], stop: asyncio.Event) -> None:
@@ -56,7 +54,7 @@ async def beside(train: object, steps: int) -> list[float]:
 
 async def train_asyncddp(
     batches: list[object], epochs: int, devices: int = 2, threads: int | None = None
-) -> None:
+) -> asyncddp.FitResult:
     torch.manual_seed(0)
     trainer = asyncddp.Trainer(
         mlp(),
@@ -66,20 +64,13 @@ async def train_asyncddp(
         progress_bar=False,
         threads_per_worker=threads,
     )
-    await trainer.fit(batches, epochs=epochs)
+    return await trainer.fit(batches, epochs=epochs)
 
 
 async def train_default_slice(batches: list[object], epochs: int) -> None:
     """The same training, its workers at the kernel's default slice (read as they start)."""
-    saved = os.environ.get(SLICE_VARIABLE)
-    os.environ[SLICE_VARIABLE] = "0"
-    try:
+    with worker_slice("0"):
         await train_asyncddp(batches, epochs)
-    finally:
-        if saved is None:
-            del os.environ[SLICE_VARIABLE]
-        else:
-            os.environ[SLICE_VARIABLE] = saved
 
 
 #: ``--slice-cost``'s set-ups: (name, CPU workers, threads per worker, fits side by side).
@@ -96,16 +87,7 @@ async def samples_per_second(batches: list[object], devices: int, threads: int, 
     workers (the second epoch timed: the threads warm)."""
 
     async def one() -> float:
-        torch.manual_seed(0)
-        trainer = asyncddp.Trainer(
-            mlp(),
-            SGD,
-            step,
-            devices=asyncddp.cpu_devices(devices),
-            progress_bar=False,
-            threads_per_worker=threads,
-        )
-        result = await trainer.fit(batches, epochs=2)
+        result = await train_asyncddp(batches, 2, devices, threads)
         return len(batches) * 256 / result.history[-1].seconds
 
     return sum(await asyncio.gather(*(one() for _ in range(fits))))
@@ -113,23 +95,14 @@ async def samples_per_second(batches: list[object], devices: int, threads: int, 
 
 async def slice_cost(batches: list[object], rounds: int) -> None:
     """Training speed with the workers' long slice over the kernel's default, in turns."""
-    saved = os.environ.get(SLICE_VARIABLE)
     speed: dict[tuple[str, bool], list[float]] = {}
-    try:
-        for index in range(rounds):
-            for long in (True, False) if index % 2 == 0 else (False, True):
-                if long:  # asyncddp's default: the long slice (outside a process group)
-                    os.environ.pop(SLICE_VARIABLE, None)
-                else:
-                    os.environ[SLICE_VARIABLE] = "0"
+    for index in range(rounds):
+        for long in (True, False) if index % 2 == 0 else (False, True):
+            # asyncddp's default (the long slice, outside a process group), or the kernel's
+            with worker_slice(None if long else "0"):
                 for name, devices, threads, fits in SLICE_SETUPS:
                     figure = await samples_per_second(batches, devices, threads, fits)
                     speed.setdefault((name, long), []).append(figure)
-    finally:
-        if saved is None:
-            os.environ.pop(SLICE_VARIABLE, None)
-        else:
-            os.environ[SLICE_VARIABLE] = saved
     print(
         f"samples/s with the CPU workers' long scheduler slice over the kernel's default, the "
         f"MLP, in turns, median of {rounds} rounds ({os.cpu_count()} CPUs)"

@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import itertools
 import multiprocessing
@@ -90,7 +91,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,7 @@ from torch import nn
 
 import asyncddp
 from asyncddp._data import split_batch
+from asyncddp._sched import SLICE_VARIABLE
 from asyncddp._sync import _copy_part
 
 BATCH = 256
@@ -153,6 +155,24 @@ def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
 
 
 SGD = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
+
+
+@contextlib.contextmanager
+def worker_slice(value: str | None) -> Iterator[None]:
+    """``ASYNCDDP_WORKER_SLICE_MS`` set to ``value`` (``None``: unset, asyncddp's default) for
+    the block, for the CPU workers that start in it (and processes spawned in it)."""
+    saved = os.environ.get(SLICE_VARIABLE)
+    if value is None:
+        os.environ.pop(SLICE_VARIABLE, None)
+    else:
+        os.environ[SLICE_VARIABLE] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(SLICE_VARIABLE, None)
+        else:
+            os.environ[SLICE_VARIABLE] = saved
 
 
 def train(
