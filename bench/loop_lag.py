@@ -9,6 +9,9 @@ A task sleeps 1 ms in a loop and records how late each wake-up is. It runs besid
 
 - asyncddp: ``await trainer.fit(...)`` on ``cpu_devices(2)`` (the MLP 512-1024-10, batch 256),
   which keeps every core busy;
+- asyncddp, one device: the same on one CPU device with every thread (``devices="cpu"``, what
+  ``"auto"`` gives without a GPU): every core busy, as in the first row, but one worker thread
+  running Python beside the loop instead of two;
 - asyncddp, a core free: the same on one worker with one thread, leaving a core to the loop;
 - asyncddp, default slice: the first row with the workers left at the kernel's default
   scheduler slice (``ASYNCDDP_WORKER_SLICE_MS=0``; see ``asyncddp/_sched.py``), as before they
@@ -156,10 +159,12 @@ async def main() -> None:
         return
     print(f"lag of a 1 ms ticker, {args.epochs} epochs x {args.steps} steps of the MLP, batch 256")
     ours = await beside(train_asyncddp(batches, args.epochs), args.steps)
+    whole = await beside(train_asyncddp(batches, args.epochs, devices=1), args.steps)
     spare = await beside(train_asyncddp(batches, args.epochs, devices=1, threads=1), args.steps)
     default = await beside(train_default_slice(batches, args.epochs), args.steps)
     blocked = await beside(train_blocking(batches, args.epochs), args.steps)
     print(describe("asyncddp", ours))
+    print(describe("one device", whole))
     print(describe("1 core free", spare))
     print(describe("default slice", default))
     print(describe("blocking", blocked))
