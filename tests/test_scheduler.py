@@ -795,7 +795,7 @@ def _in_a_thread_with_a_team(then: Any) -> tuple[set[int], set[int]]:
         raise errors[0]
     team, after = out[0]
     if not team:
-        pytest.skip("the parallel op started no helper thread (OMP_THREAD_LIMIT=1?)")
+        pytest.skip(reason="the parallel op started no helper thread (OMP_THREAD_LIMIT=1?)")
     return team, after
 
 
@@ -817,7 +817,7 @@ def test_the_openmp_runtime_released_is_torchs_beside_other_packages_copies() ->
     pytest.importorskip("sklearn.cluster")  # scikit-learn's wheels ship a libgomp of their own
     loaded = _openmp._loaded_libgomps()
     if len(loaded) < 2:
-        pytest.skip("only one libgomp is loaded here")
+        pytest.skip(reason="only one libgomp is loaded here")
     package = os.path.realpath(os.path.dirname(torch.__file__))
     assert _openmp._loaded_libgomp() in {path for path in loaded if path.startswith(package)}
 
