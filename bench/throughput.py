@@ -91,6 +91,7 @@ import subprocess
 import sys
 import threading
 import time
+import unittest.mock
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -160,19 +161,14 @@ SGD = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
 @contextlib.contextmanager
 def worker_slice(value: str | None) -> Iterator[None]:
     """``ASYNCDDP_WORKER_SLICE_MS`` set to ``value`` (``None``: unset, asyncddp's default) for
-    the block, for the CPU workers that start in it (and processes spawned in it)."""
-    saved = os.environ.get(SLICE_VARIABLE)
-    if value is None:
-        os.environ.pop(SLICE_VARIABLE, None)
-    else:
-        os.environ[SLICE_VARIABLE] = value
-    try:
-        yield
-    finally:
-        if saved is None:
+    the block, for the CPU workers that start in it (and processes spawned in it); the
+    environment is restored after it (``unittest.mock.patch.dict``)."""
+    with unittest.mock.patch.dict(os.environ):
+        if value is None:
             os.environ.pop(SLICE_VARIABLE, None)
         else:
-            os.environ[SLICE_VARIABLE] = saved
+            os.environ[SLICE_VARIABLE] = value
+        yield
 
 
 def train(
