@@ -80,6 +80,7 @@ async def main() -> None:
         f"{'MB':>5} {'copy_':>8}"
         + "".join(f" {f'{n} replicas':>12} {'ratio':>6} {'of 1/n':>6}" for n in args.replicas)
     )
+    ratios = []
     for megabytes in args.sizes:
         gigabytes = megabytes * 2**20 / 1e9
         copy = gigabytes / copy_time(megabytes, args.repeats)
@@ -87,8 +88,13 @@ async def main() -> None:
         for replicas in args.replicas:
             ours = gigabytes / await reduce_time(replicas, megabytes, args.repeats)
             row += f" {ours:>12.2f} {ours / copy:>5.2f}x {ours / copy * replicas:>6.2f}"
+            ratios.append((replicas, megabytes, ours / copy))
         print(row)
-    print("target: ratio >= 0.5x")
+    for replicas, megabytes, ratio in sorted(ratios):
+        print(
+            f"  {replicas} replicas, {megabytes} MB / copy_  {ratio:.2f}x"
+            f"  (at most {1 / replicas:.3g}x in one memory)  (target >= 0.5x)"
+        )
 
 
 if __name__ == "__main__":
