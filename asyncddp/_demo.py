@@ -29,7 +29,9 @@ def digits_loaders(batch_size: int, seed: int = 0) -> tuple[DataLoader[Any], Dat
         from sklearn.datasets import load_digits  # type: ignore[import-untyped]
     except ImportError as exc:  # an optional dependency: only the demo needs it
         raise ImportError(
-            "the demo trains on scikit-learn's digits: pip install 'asyncddp[examples]'"
+            "the demo trains on scikit-learn's digits: pip install scikit-learn (or the "
+            "extra that has it: pip install 'asyncddp[examples]'; from a clone of the "
+            "repository, pip install -e '.[examples]')"
         ) from exc
     digits = load_digits()
     inputs = torch.tensor(digits.data, dtype=torch.float32) / 16.0  # pixels are 0..16

@@ -39,7 +39,9 @@ class Event:
 
 @dataclass(frozen=True)
 class FitStarted(Event):
-    """``fit`` has started (after a resume, at the epoch it resumes from)."""
+    """``fit`` has started (after a resume, at the epoch it resumes from). ``start_epoch``
+    counts the epochs already done: the first epoch this fit trains has that number in
+    `StepEnded` and `EpochEnded`."""
 
     epochs: int
     start_epoch: int
@@ -49,7 +51,8 @@ class FitStarted(Event):
 
 @dataclass(frozen=True)
 class StepEnded(Event):
-    """An optimizer step is done. ``loss`` and ``metrics`` are means over its items."""
+    """An optimizer step is done. ``loss`` and ``metrics`` are means over its items.
+    ``epoch`` and ``step`` number from 0: the first step of a fit from the start is step 0."""
 
     epoch: int
     step: int
@@ -62,7 +65,8 @@ class StepEnded(Event):
 
 @dataclass(frozen=True)
 class EpochEnded(Event):
-    """A training epoch is done. ``train_loss`` is the mean over every item of the epoch."""
+    """A training epoch is done. ``train_loss`` is the mean over every item of the epoch.
+    ``epoch`` numbers from 0, as `EpochRecord.epoch` does."""
 
     epoch: int
     train_loss: float
@@ -82,7 +86,9 @@ class ValidationEnded(Event):
 
 @dataclass(frozen=True)
 class CheckpointSaved(Event):
-    """A checkpoint was written (atomically) to ``path``."""
+    """A checkpoint was written (atomically) to ``path``. ``epoch`` and ``step`` count the
+    epochs and optimizer steps done when it was written, as its file name does
+    (``epoch0004-step000120.ckpt``: 4 and 120)."""
 
     path: str
     epoch: int
@@ -120,7 +126,9 @@ class DeviceDropped(Event):
 
 @dataclass(frozen=True)
 class FitEnded(Event):
-    """``fit`` has returned or raised. ``stopped`` is True after ``stop()``."""
+    """``fit`` has returned or raised. ``stopped`` is True after ``stop()``. ``epoch`` and
+    ``step`` count the epochs and optimizer steps done (`Trainer.epoch`,
+    `Trainer.global_step`)."""
 
     epoch: int
     step: int

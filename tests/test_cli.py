@@ -102,3 +102,15 @@ def test_auto_is_two_cpu_workers_without_a_gpu() -> None:
         assert spec == "cuda"
     else:
         assert [d.name for d in asyncddp.resolve_devices(spec)] == ["cpu#0", "cpu#1"]
+
+
+def test_the_demo_without_scikit_learn_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from asyncddp._demo import digits_loaders
+
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # import fails, as uninstalled
+    with pytest.raises(ImportError, match=r"pip install scikit-learn") as caught:
+        digits_loaders(64)
+    assert "pip install -e '.[examples]'" in str(caught.value)
+    assert isinstance(caught.value.__cause__, ImportError)
