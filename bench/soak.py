@@ -64,10 +64,8 @@ async def main() -> None:
     first, last = samples[0], samples[-1]
     peak = max(sample[1] for sample in samples)
     print(f"{trainer.global_step} steps on cpu_devices(4), {len(samples)} samples after warm-up")
-    print(
-        f"  resident memory: first {first[1]:.1f} MB, last {last[1]:.1f} MB, peak {peak:.1f} MB, "
-        f"last/first {last[1] / first[1]:.3f} (target within 1.05)"
-    )
+    print(f"  resident memory: first {first[1]:.1f} MB, last {last[1]:.1f} MB, peak {peak:.1f} MB")
+    print(f"  resident memory last/first  {last[1] / first[1]:.3f}x  (target <= 1.05x)")
     print(
         f"  OS threads: first {first[2]}, last {last[2]}, max {max(s[2] for s in samples)} "
         f"(pid {os.getpid()})"
