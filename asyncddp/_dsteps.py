@@ -307,8 +307,13 @@ class DistributedSteps(Steps):
         apply = self._apply_work()  # its coefficient and unused parameters: found in the job
         if opens:
             window.ref = self._reference_count(counts[0])
+            self._window += 1
         train = TrainWork(
-            shards[0], counts[0] / window.ref, counts[0], opens, per_item=1.0 / window.ref
+            shards[0],
+            counts[0] / window.ref,
+            counts[0],
+            self._window if opens else 0,
+            per_item=1.0 / window.ref,
         )
         exchange = self._exchange_work(window)
         comm = self._comm

@@ -68,11 +68,18 @@ class Epochs(DistributedSteps):
     _epoch_trained: bool
     _stop_reason: str | None
     _step_lock: anyio.Lock | None
+    _window_locked: bool  # the step lock is held for an optimizer step of several micro-steps
     _cancelled_in_step: BaseException | None
     _batches_world: int  # how many processes counted _batches_done (each its own)
 
     async def _save_epoch_checkpoint(self) -> None:
         raise NotImplementedError
+
+    def _unlock_window(self) -> None:
+        if self._window_locked:
+            assert self._step_lock is not None
+            self._window_locked = False
+            self._step_lock.release()
 
     def _prefetcher(self, data: Iterable[Any], name: str) -> Prefetcher:
         """Batches of ``data`` loaded on a thread, ahead, page-locked when going to a GPU. A
@@ -100,6 +107,11 @@ class Epochs(DistributedSteps):
             # Continue mid-epoch: replay the epoch's start so that the loader yields the same
             # order (a shuffling DataLoader draws its seed in iter()), then skip what was done.
             resume_rng = _checkpoint.capture_rng()
+            _checkpoint.restore_rng(self._epoch_rng)
+        elif self._epoch_rng is not None:
+            # The epoch started before and none of its batches was trained on (a fit cancelled
+            # in its first step, or a checkpoint from then): start it again as it started, the
+            # generators included, whatever the loader of the cancelled start drew since.
             _checkpoint.restore_rng(self._epoch_rng)
         else:
             self._epoch_rng = _checkpoint.capture_rng()
@@ -155,6 +167,7 @@ class Epochs(DistributedSteps):
                     if self._distributed():
                         exhausted = await self._drain(step)
         finally:
+            self._unlock_window()  # left in mid-window (cancelled while it waited for a batch)
             bar.close()
             self._epoch_seconds = time.perf_counter() - started
         if not exhausted:
@@ -195,12 +208,23 @@ class Epochs(DistributedSteps):
         tracked: list[str],
         bar: Any,
     ) -> None:
-        """One micro-step of ``window``; with ``final``, the optimizer step and its reports."""
-        if not final:
-            await self._run_step(window, epoch, final=False)
-            return
+        """One micro-step of ``window``; with ``final``, the optimizer step and its reports.
+
+        The step lock is held from the window's first micro-step to the end of its last: a
+        checkpoint sees either all of an optimizer step or none of it, its accumulating
+        micro-steps (their batches, BatchNorm updates and random draws) included."""
         assert self._step_lock is not None
-        async with self._step_lock:  # a checkpoint sees either all of this step or none
+        if not self._window_locked:
+            await self._step_lock.acquire()
+            self._window_locked = True
+        if not final:
+            try:
+                await self._run_step(window, epoch, final=False)
+            except BaseException:
+                self._unlock_window()  # the window is undone
+                raise
+            return  # still held: the window's next micro-step comes
+        try:
             lr = await self._run_step(window, epoch, final=True)
             self._batches_done += window.batch_count
             self._epoch_sums.add(window.sums)
@@ -214,6 +238,8 @@ class Epochs(DistributedSteps):
                     # rank); across ranks, a step with as many items as this one then needs
                     # no scaling of its reduced gradients (see _reference_count).
                     self._items_ref = float(window.sums.items)
+        finally:
+            self._unlock_window()
         cancelled, self._cancelled_in_step = self._cancelled_in_step, None
         if cancelled is not None:  # across ranks: after a step that every rank took
             raise cancelled

@@ -90,7 +90,9 @@ class TrainWork:
     shard: Any
     weight: float  # the loss is multiplied by it before backward
     items: int
-    opens_window: bool  # the first forward of an optimizer step
+    # The first forward of an optimizer step opens it: the step's window number (from 1; 0 for
+    # a later forward), so that an undo can tell whether this replica's job opened that step.
+    opens_window: int
     # With a count from the step (its "items"), the loss is multiplied by this times the count
     # instead (the loss scale over a reference count, the same for every device: so that the
     # weights stay near the loss scale, which fp16 needs), and the sum scaled by the reference
@@ -276,7 +278,7 @@ class Jobs:
         (see :class:`_OnHost`): for a job that does not wait for its stream at its end."""
         replica = self.replicas[ctx.device.index]
         if work.opens_window:
-            replica.open_window()
+            replica.open_window(work.opens_window)
         if work.items == 0:
             return Sums()
         output = self._forward(self.step, replica, work.shard, ctx)
@@ -526,15 +528,19 @@ class Jobs:
         test has run."""
         return all(replica.device.type == "cpu" for replica in self.replicas)
 
-    def abandon(self, ctx: WorkerContext, apply_id: int | None) -> None:
-        """Undo an unfinished step: its optimizer step (if taken), its forwards, its gradients."""
+    def abandon(self, ctx: WorkerContext, work: tuple[int | None, int]) -> None:
+        """Undo an unfinished step: its optimizer step (if taken), its forwards, its gradients.
+        ``work``: the step's apply id (if it got as far) and its window number."""
+        apply_id, window = work
         replica = self.replicas[ctx.device.index]
         if apply_id is not None and replica.stepped_at == apply_id:
             replica.backup.restore(replica.params, replica.optimizer, replica.scheduler)
         replica.stepped_at = None
         replica.grads.attach()
         replica.grads.zero_()
-        if replica.buffer_backup is not None:
+        if replica.buffer_backup is not None and replica.buffers_saved_for == window:
+            # Only if this replica's job opened the step: a job dropped before it started
+            # left the buffers as the last step did, and the copy is from before that step.
             with torch.no_grad():
                 for buffer, saved in zip(replica.buffers, replica.buffer_backup, strict=True):
                     buffer.copy_(saved)

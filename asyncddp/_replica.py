@@ -54,8 +54,10 @@ class Replica:
         self.backup = StepBackup()
         #: The optimizer step (by apply id) this replica took and may have to undo.
         self.stepped_at: int | None = None
-        # Buffers (BatchNorm statistics) as the open window found them, to undo its forwards.
+        # Buffers (BatchNorm statistics) as the open window found them, to undo its forwards,
+        # and that window's number (see TrainWork.opens_window).
         self.buffer_backup: list[torch.Tensor] | None = None
+        self.buffers_saved_for: int | None = None
         # Which parameters got a gradient in the open window: one that no device used is left
         # out of the optimizer step, as in a plain loop (where its .grad stays None).
         self.used = [False] * len(self.params)
@@ -71,14 +73,16 @@ class Replica:
         ``loose``, for a lone replica in one process: see :class:`FlatGrads`)."""
         self.grads = FlatGrads(self.params, parts, index, loose=loose)
 
-    def open_window(self) -> None:
+    def open_window(self, window: int) -> None:
         """Before a step's first forward: zero the gradients (the last step left them; a lone
-        replica's become ``None``), keep the buffers, forget which params were used."""
+        replica's become ``None``), keep the buffers for window number ``window``, forget which
+        params were used."""
         self.grads.attach()
         self.grads.zero_()
         self.used = [False] * len(self.params)
         if not self.buffers:
             return
+        self.buffers_saved_for = window
         with torch.no_grad():
             if self.buffer_backup is None:
                 self.buffer_backup = [b.detach().clone() for b in self.buffers]

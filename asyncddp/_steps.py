@@ -122,6 +122,7 @@ class Steps:
     _window_open: bool
     _consistent: bool
     _apply_id: int
+    _window: int  # the number of the last optimizer step opened (see TrainWork.opens_window)
     _sparse_grads: bool  # the model makes sparse gradients (see has_sparse_gradients)
     _items_ref: float | None  # see _reference_count
     _cancelled_in_step: BaseException | None  # raised once the step is counted
@@ -273,7 +274,9 @@ class Steps:
     async def _abandon(self, apply_id: int | None = None) -> set[str]:
         """Undo the open window on every device; returns the devices that could not."""
         try:
-            await self._run_all(self._jobs().abandon, apply_id, phase="abandon", shield=True)
+            await self._run_all(
+                self._jobs().abandon, (apply_id, self._window), phase="abandon", shield=True
+            )
         except WorkerFailedError as error:
             return {error.device.name, *(f.device.name for f in error.other_failures)}
         self._window_open = False
@@ -296,6 +299,7 @@ class Steps:
             opens = window.done == 0
             if opens:
                 window.ref = self._reference_count(total)
+                self._window += 1
             if not self._accumulates(window) and not self._distributed():
                 weights = [scale * n / total if total else 0.0 for n in counts]
             elif not self._distributed():  # the step's item count is known only at its end
@@ -307,7 +311,7 @@ class Steps:
                 self._window_open = True
             if total or opens:
                 work = [
-                    TrainWork(shard, weight, n, opens, per_item)
+                    TrainWork(shard, weight, n, self._window if opens else 0, per_item)
                     for shard, weight, n in zip(shards, weights, counts, strict=True)
                 ]
                 result = await self._require_scheduler().run(
@@ -378,6 +382,7 @@ class Steps:
         opens = window.done == 0
         if opens:
             window.ref = self._reference_count(total)
+            self._window += 1
         self._window_open = True
         k_scale = self._accumulates(window)  # see _forward_backward
         weights = [float(c) if k_scale else (c / total if total else 0.0) for c in counts]
@@ -386,7 +391,7 @@ class Steps:
         per_item = 1.0 / window.ref if self._per_item_weights(window) else None
         work = [
             FusedWork(
-                TrainWork(shard, weight, count, opens, per_item),
+                TrainWork(shard, weight, count, self._window if opens else 0, per_item),
                 1.0 / items if k_scale else 1.0,
                 self.gradient_clip_val,
                 apply,

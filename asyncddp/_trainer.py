@@ -275,7 +275,9 @@ class Trainer(Resumable):
         self._window_open = False  # a step has begun on the devices and not ended
         self._consistent = True
         self._apply_id = 0
+        self._window = 0
         self._step_lock: anyio.Lock | None = None
+        self._window_locked = False
         # Across processes (asyncddp.distributed): the process group, once joined.
         self._comm: _comm.Comm | None = None
         self._last_global: _comm.Global | None = None  # the last exchange's sums
@@ -505,6 +507,7 @@ class Trainer(Resumable):
         ended = False
         # fast_acquire: an uncontended step need not yield to the loop (the step awaits anyway)
         self._step_lock = anyio.Lock(fast_acquire=True)
+        self._window_locked = False
         scheduler = self._new_scheduler()
         try:
             scheduler.start()

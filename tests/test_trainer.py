@@ -491,6 +491,54 @@ async def test_cancelling_fit_leaves_a_trainer_that_continues_exactly(devices: i
     assert_close(trainer.model, expected)
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_a_fit_cancelled_in_an_epoch_s_first_step_keeps_the_epoch_s_shuffle(
+    devices: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A shuffling DataLoader draws its order's seed from torch's RNG when the epoch starts.
+    # Cancelled before the epoch's first step is done, the next fit must give the epoch the
+    # same order, as an uninterrupted run does (an earlier version drew a fresh one).
+    data = make_batches([3] * 8)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(
+            torch.cat([b[0] for b in data]), torch.cat([b[1] for b in data])
+        ),
+        batch_size=4,
+        shuffle=True,
+    )
+    torch.manual_seed(5)
+    uninterrupted = Trainer(
+        make_model(), SGD, loss_step, devices=cpu_devices(devices), progress_bar=False
+    )
+    await uninterrupted.fit(loader, epochs=2)
+
+    # The first step's job on the last device is held back before it starts, and the fit is
+    # cancelled meanwhile: that job is dropped, and the step is undone.
+    run, held = asyncddp._scheduler._Job.__call__, threading.Event()
+
+    def held_back(job: Any) -> Any:
+        if job.index == devices - 1 and job.phase == "train" and job.number == 0:
+            held.set()
+            time.sleep(0.3)
+        return run(job)
+
+    monkeypatch.setattr(asyncddp._scheduler._Job, "__call__", held_back)
+    torch.manual_seed(5)
+    trainer = Trainer(
+        make_model(), SGD, loss_step, devices=cpu_devices(devices), progress_bar=False
+    )
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: trainer.fit(loader, epochs=2))  # type: ignore[arg-type,return-value]
+            assert await anyio.to_thread.run_sync(held.wait, 10.0)  # set on a worker thread
+            scope.cancel()
+    monkeypatch.undo()
+    assert trainer.global_step == 0  # the epoch's first step did not finish
+    await trainer.fit(loader, epochs=2)
+    assert trainer.global_step == uninterrupted.global_step
+    assert_close(trainer.model, uninterrupted.model)
+
+
 class FailOnce:
     """A step that raises once, on one device, at one step (counted per device)."""
 
@@ -1582,6 +1630,76 @@ async def test_batchnorm_buffers_are_undone_with_a_cancelled_step() -> None:
     assert_replicas_identical(trainer)  # buffers included, right after the cancellation
     await trainer.fit(batches, epochs=1)
     assert_close(trainer.model, expected.model)
+
+
+async def test_batchnorm_buffers_stay_when_a_device_s_job_is_dropped_before_it_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The cancellation reaches step 3 while its job on cpu#1 is still queued: that job never
+    # runs, so cpu#1 never opened the step. Undoing the step must leave cpu#1's buffers as
+    # step 2 left them, not as they were before step 2 (an earlier version restored the
+    # buffers its last opened step had saved, losing step 2's BatchNorm update there).
+    batches = make_batches([6, 9, 7, 8, 6, 9, 7])
+    expected = Trainer(
+        batchnorm_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False
+    )
+    await expected.fit(batches, epochs=1)
+    run = asyncddp._scheduler._Job.__call__
+
+    def held_back(job: Any) -> Any:
+        if job.index == 1 and job.phase == "train" and job.number == 3:
+            time.sleep(0.4)  # still queued, as far as the step is concerned
+        return run(job)
+
+    monkeypatch.setattr(asyncddp._scheduler._Job, "__call__", held_back)
+    trainer = Trainer(batchnorm_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    with anyio.move_on_after(0.2):
+        await trainer.fit(batches, epochs=1)
+    assert trainer.global_step == 3
+    assert_replicas_identical(trainer)  # buffers included, right after the cancellation
+    monkeypatch.undo()
+    await trainer.fit(batches, epochs=1)
+    assert_close(trainer.model, expected.model)
+
+
+async def test_a_checkpoint_asked_for_inside_an_accumulation_window_waits_for_its_end(
+    tmp_path: Any,
+) -> None:
+    # With accumulate_grad_batches=2 an optimizer step is two micro-steps. A checkpoint asked
+    # for after step 1 must not catch the next step's first micro-step half done (its
+    # BatchNorm update saved, its batch counted as not yet trained): the resumed run would
+    # train on that batch again.
+    batches = make_batches([6, 9, 7, 8, 6, 9, 7, 8])
+
+    def fresh() -> Trainer:
+        return Trainer(
+            batchnorm_model(),
+            SGD,
+            loss_step,
+            devices=cpu_devices(2),
+            accumulate_grad_batches=2,
+            progress_bar=False,
+        )
+
+    uninterrupted = fresh()
+    await uninterrupted.fit(batches, epochs=1)
+    trainer = fresh()
+    stream = trainer.events()
+    saved: list[Any] = []
+
+    async def checkpoint_after_step_1() -> None:
+        async for event in stream:
+            if isinstance(event, StepEnded) and event.step == 1:
+                saved.append(await trainer.save_checkpoint(tmp_path / "mid.ckpt"))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(checkpoint_after_step_1)
+        await trainer.fit(batches, epochs=1)
+    assert saved
+    resumed = fresh()
+    await resumed.fit(batches, epochs=1, resume=saved[0])
+    assert resumed.global_step == uninterrupted.global_step == 4
+    assert_close(resumed.model, uninterrupted.model)
 
 
 async def test_stop_at_the_last_step_of_an_epoch_still_closes_the_epoch() -> None:
