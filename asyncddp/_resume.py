@@ -36,6 +36,7 @@ class Resumable(Epochs):
 
     _source: nn.Module
     _pending_state: dict[str, Any] | None
+    _window: int
     _scaler: LossScaler | None
 
     def _position(self) -> dict[str, Any]:
@@ -75,6 +76,9 @@ class Resumable(Epochs):
         if state.get("rng") is not None:
             _checkpoint.restore_rng(state["rng"])
         self._window_open = True  # whatever was half done is undone at the next session start
+        # ... but not with the buffers the replicas saved before it: the loaded state's
+        # buffers replace them (a new window number matches no replica's saved copy).
+        self._window += 1
         if not self._replicas:
             self._source.load_state_dict(state["model"])
         self._pending_state = dict(state)

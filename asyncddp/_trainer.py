@@ -473,10 +473,17 @@ class Trainer(Resumable):
         Call it while no fit runs (use :meth:`save_checkpoint` during one).
         """
         first = self._replicas[0] if self._replicas else None
+        if first is None and self._pending_state is not None:
+            # Loaded before any fit built the replicas: the loaded optimizer and LR scheduler.
+            pending = self._pending_state
+            optimizer, scheduler = pending.get("optimizer"), pending.get("lr_scheduler")
+        else:
+            optimizer = to_cpu(first.optimizer.state_dict()) if first else None
+            scheduler = first.scheduler.state_dict() if first and first.scheduler else None
         return {
             "model": to_cpu(self.model.state_dict()),
-            "optimizer": to_cpu(first.optimizer.state_dict()) if first else None,
-            "lr_scheduler": first.scheduler.state_dict() if first and first.scheduler else None,
+            "optimizer": optimizer,
+            "lr_scheduler": scheduler,
             **self._position(),
         }
 

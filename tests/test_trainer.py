@@ -1702,6 +1702,54 @@ async def test_a_checkpoint_asked_for_inside_an_accumulation_window_waits_for_it
     assert_close(resumed.model, uninterrupted.model)
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_loading_a_state_into_a_trainer_that_trained_keeps_the_state_s_buffers(
+    devices: int,
+) -> None:
+    # An earlier version undid "whatever was half done" after the load with the buffers each
+    # replica had saved before its last step: the loaded BatchNorm statistics were lost.
+    batches = make_batches([6, 9, 7, 8])
+    trainer = Trainer(
+        batchnorm_model(), SGD, loss_step, devices=cpu_devices(devices), progress_bar=False
+    )
+    await trainer.fit(batches, epochs=1)
+    state = trainer.state_dict()
+    trainer.load_state_dict(state)
+    await trainer.validate(batches)  # a session: the load reaches the replicas
+    after = trainer.state_dict()["model"]
+    for name, value in state["model"].items():
+        assert torch.equal(after[name], value), f"{name} changed"
+    assert_replicas_identical(trainer)
+
+
+async def test_state_dict_before_any_fit_gives_back_what_was_loaded() -> None:
+    def fresh() -> Trainer:
+        return Trainer(
+            make_model(),
+            SGD,
+            loss_step,
+            devices=cpu_devices(2),
+            lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2),
+            lr_scheduler_interval="step",
+            progress_bar=False,
+        )
+
+    batches = make_batches([4] * 6)
+    trained = fresh()
+    await trained.fit(batches, epochs=1)
+    state = trained.state_dict()
+    loaded = fresh()
+    loaded.load_state_dict(state)
+    again = loaded.state_dict()  # no fit yet: the replicas are not built
+    assert again["optimizer"] is not None
+    assert again["lr_scheduler"] == state["lr_scheduler"]
+    relayed = fresh()
+    relayed.load_state_dict(again)  # the momentum and the LR schedule go along
+    await relayed.fit(batches, epochs=2)
+    await trained.fit(batches, epochs=2)
+    assert_close(relayed.model, trained.model)
+
+
 async def test_stop_at_the_last_step_of_an_epoch_still_closes_the_epoch() -> None:
     batches = make_batches([4, 4, 4])
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
