@@ -28,10 +28,10 @@ from typing import Any, Generic, TypeVar, cast
 import anyio
 import torch
 
+from ._checks import MAX_THREADS, check_int, check_positive
 from ._data import count_items
 from ._devices import Device, DeviceSpec, resolve_devices
 from ._exceptions import (
-    ConfigurationError,
     SchedulerClosedError,
     ShardError,
     WorkerFailedError,
@@ -246,15 +246,9 @@ class StepScheduler:
         drain_timeout: float | None = 10.0,
         threads_per_worker: int | None = None,
     ) -> None:
-        if threads_per_worker is not None and threads_per_worker < 1:
-            raise ConfigurationError(
-                f"threads_per_worker must be >= 1 or None, got {threads_per_worker!r}"
-            )
-        for name, value in (("step_timeout", step_timeout), ("drain_timeout", drain_timeout)):
-            if value is not None and not value > 0:
-                raise ConfigurationError(
-                    f"{name} must be a positive number of seconds or None, got {value!r}"
-                )
+        check_int("threads_per_worker", threads_per_worker, 1, MAX_THREADS, none=True)
+        check_positive("step_timeout", step_timeout, unit="seconds")
+        check_positive("drain_timeout", drain_timeout, unit="seconds")
         self.devices: tuple[Device, ...] = resolve_devices(devices)
         self._device_types = frozenset(device.type for device in self.devices)
         self.step_timeout = step_timeout

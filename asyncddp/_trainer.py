@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from . import _comm, _devices, distributed
+from ._checks import MAX_THREADS, check_bool, check_int, check_path, check_positive
 from ._devices import CPU_HINT, Device, DeviceSpec, resolve_devices
 from ._epochs import EpochRecord
 from ._events import (
@@ -204,8 +205,10 @@ class Trainer(Resumable):
             )
         if not callable(step):
             raise ConfigurationError("step must be a function step(model, batch) -> loss")
-        _check(accumulate_grad_batches >= 1, "accumulate_grad_batches must be >= 1")
-        _check(gradient_clip_val is None or gradient_clip_val > 0, "gradient_clip_val must be > 0")
+        if valid_step is not None and not callable(valid_step):
+            raise ConfigurationError("valid_step must be a function valid_step(model, batch)")
+        check_int("accumulate_grad_batches", accumulate_grad_batches, 1)
+        check_positive("gradient_clip_val", gradient_clip_val)
         _check(
             lr_scheduler_interval in ("epoch", "step"),
             f"lr_scheduler_interval must be 'epoch' or 'step', not {lr_scheduler_interval!r}",
@@ -214,10 +217,19 @@ class Trainer(Resumable):
             on_failure in ("raise", "retry", "drop"),
             f"on_failure must be 'raise', 'retry' or 'drop', not {on_failure!r}",
         )
-        _check(max_retries >= 0, "max_retries must be >= 0")
-        _check(prefetch >= 1, "prefetch must be >= 1")
-        _check(step_timeout is None or step_timeout > 0, "step_timeout must be > 0 or None")
-        _check(threads_per_worker is None or threads_per_worker >= 1, "threads_per_worker >= 1")
+        check_int("max_retries", max_retries, 0)
+        check_int("prefetch", prefetch, 1)
+        check_positive("step_timeout", step_timeout, unit="seconds")
+        check_int("threads_per_worker", threads_per_worker, 1, MAX_THREADS, none=True)
+        for name, flag in (
+            ("split_batches", split_batches),
+            ("atomic_steps", atomic_steps),
+            ("check_finite", check_finite),
+        ):
+            check_bool(name, flag)
+        check_bool("progress_bar", progress_bar, none=True)
+        check_bool("pin_memory", pin_memory, none=True)
+        check_path("checkpoint_dir", checkpoint_dir)
         self.devices: tuple[Device, ...] = resolve_devices(_rank_devices(devices))
         kinds = sorted({device.type for device in self.devices})
         if len(kinds) > 1:

@@ -235,16 +235,17 @@ class DeviceWorker:
     def _main(self) -> None:
         if self._slice_ms is not None:
             _sched.prefer_throughput(self._slice_ms)  # never raises
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)  # per thread: the caller's setting is untouched
-        if self.device.is_cuda:
-            try:
+        try:
+            if self.threads is not None:
+                # Per thread: the caller's setting is untouched.
+                torch.set_num_threads(self.threads)
+            if self.device.is_cuda:
                 # The current device and the current stream are both per-thread: set them once.
                 torch.cuda.set_device(self.device.torch_device)
                 self.stream = torch.cuda.Stream(self.device.torch_device)  # type: ignore[no-untyped-call]
                 torch.cuda.set_stream(self.stream)
-            except BaseException as exc:  # reported by every job, so that no step waits forever
-                self._setup_error = exc
+        except BaseException as exc:  # reported by every job, so that no step waits forever
+            self._setup_error = exc
         get = self._queue.get
         after: list[Callable[[], None]] = []
         _running.after = after

@@ -701,6 +701,28 @@ async def test_cpu_workers_share_the_callers_threads() -> None:
     assert torch.get_num_threads() == total  # the caller's own setting is untouched
     with pytest.raises(ValueError, match="threads_per_worker"):
         StepScheduler(cpu_devices(1), threads_per_worker=0)
+    for wrong in (1.5, "2", True, 2**31):  # 2**31: more than torch.set_num_threads takes
+        with pytest.raises(ValueError, match="threads_per_worker"):
+            StepScheduler(cpu_devices(1), threads_per_worker=wrong)  # type: ignore[arg-type]
+
+
+async def test_a_worker_that_cannot_set_up_fails_its_jobs_instead_of_hanging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A worker whose set-up raises (here torch.set_num_threads) reports the error from every
+    # job: an earlier version let the exception end the thread, and every step waited forever.
+    def refuse(threads: int) -> None:
+        raise RuntimeError("set_num_threads refused")
+
+    monkeypatch.setattr(torch, "set_num_threads", refuse)
+    async with StepScheduler(cpu_devices(2), threads_per_worker=1) as scheduler:
+        with anyio.fail_after(10), pytest.raises(WorkerFailedError) as caught:
+            await scheduler.run(lambda ctx, shard: shard, [1, 2])
+    assert "could not set up the worker" in str(caught.value)
+    cause = caught.value.__cause__
+    assert isinstance(cause, RuntimeError)
+    assert isinstance(cause.__cause__, RuntimeError)
+    assert "set_num_threads refused" in str(cause.__cause__)
 
 
 def meeting_job(barrier: threading.Barrier, released: list[int]) -> Any:

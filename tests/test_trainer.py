@@ -1227,6 +1227,40 @@ def test_bad_configuration_fails_at_construction() -> None:
         Trainer(model, SGD, loss_step, lr_scheduler_interval="batch")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("accumulate_grad_batches", "2"),
+        ("accumulate_grad_batches", 1.5),
+        ("accumulate_grad_batches", None),
+        ("gradient_clip_val", "1"),
+        ("gradient_clip_val", float("nan")),
+        ("step_timeout", "5"),
+        ("step_timeout", 0),
+        ("max_retries", None),
+        ("max_retries", 1.5),
+        ("prefetch", None),
+        ("prefetch", 1.5),
+        ("threads_per_worker", "2"),
+        ("threads_per_worker", 1.5),
+        ("threads_per_worker", 2**31),  # more than torch.set_num_threads takes
+        ("threads_per_worker", True),
+        ("split_batches", "no"),
+        ("atomic_steps", 1),
+        ("check_finite", "yes"),
+        ("progress_bar", "on"),
+        ("pin_memory", 0),
+        ("checkpoint_dir", 5),
+        ("valid_step", 5),
+    ],
+)
+def test_a_wrong_type_or_value_of_an_option_is_a_configuration_error_naming_it(
+    option: str, value: Any
+) -> None:
+    with pytest.raises(ConfigurationError, match=option):
+        Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), **{option: value})
+
+
 @pytest.mark.parametrize("epochs", [0, -1, 1.5, True])
 async def test_epochs_must_be_positive(epochs: Any) -> None:
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), progress_bar=False)
