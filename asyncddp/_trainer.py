@@ -27,6 +27,7 @@ across the devices, and the failure policy), ``_epochs`` (epochs and validation)
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import time
@@ -279,6 +280,8 @@ class Trainer(Resumable):
         self._epoch_trained = False  # all batches done; validation and the epoch's end pending
         self._replicas: list[Replica] = []
         self._pending_state: dict[str, Any] | None = None
+        # The iterator a fit that stopped in mid-epoch trained on, if any (_check_continued).
+        self._last_iterator: Iterator[Any] | None = None
         self._scheduler: StepScheduler | None = None
         self._hub = EventHub()
         self._stop_reason: str | None = None
@@ -405,6 +408,7 @@ class Trainer(Resumable):
                 self._adopt(await self._resume_state(resume))
             passes = epochs - self.epoch - (1 if self._epoch_trained else 0)
             _check_data(train_data, "train_data", passes)
+            self._check_continued(train_data)
             if valid_data is not None:
                 _check_data(valid_data, "valid_data", epochs - self.epoch)
             await self._wait_for_checkpoint_session()  # one may have begun while joining
@@ -422,12 +426,16 @@ class Trainer(Resumable):
                 if self._comm is not None:  # the ranks end together; a late failure is heard
                     await self._exchange(_comm.FIT_END, last=True)
         except BaseException as error:
+            if not self._batches_done:
+                self._last_iterator = None
             raised = await self._across_ranks(error)
             ended = FitEnded(self.epoch, self.global_step, False, error=_describe(raised))
             self._hub.publish(ended)
             if raised is not error:
                 raise raised from raised.__cause__
             raise
+        if not self._batches_done:  # no epoch left unfinished: let the iterator go
+            self._last_iterator = None
         stopped = self._stopping()
         self._hub.publish(FitEnded(self.epoch, self.global_step, stopped, self._stop_reason))
         seconds = time.perf_counter() - started
@@ -461,6 +469,26 @@ class Trainer(Resumable):
             if raised is not error:
                 raise raised from raised.__cause__
             raise
+
+    def _check_continued(self, data: Iterable[Any]) -> None:
+        """Refuse to continue an epoch with an iterator that was read before: continuing
+        reads the data from its start and skips the batches already trained on, and such an
+        iterator cannot start over (the fit that read it also read ahead of where it
+        stopped). A new iterator over the whole epoch is fine."""
+        if isinstance(data, Iterator):
+            read = data is self._last_iterator or (
+                inspect.isgenerator(data) and inspect.getgeneratorstate(data) != inspect.GEN_CREATED
+            )
+            if self._batches_done and read:
+                raise DataError(
+                    f"train_data is an iterator ({type(data).__name__}) that was read before: "
+                    f"this epoch stopped after {self._batches_done} batches, and continuing "
+                    "it reads train_data from its start, skipping those; an iterator cannot "
+                    "start over. Pass a new iterator over the whole epoch, or data that starts "
+                    "over each time it is iterated (a list of batches, a DataLoader)"
+                )
+        # Kept only while an epoch is left unfinished (see fit): then it is what matters.
+        self._last_iterator = data if isinstance(data, Iterator) else None
 
     async def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
         """Write the training state to ``path`` atomically; safe while ``fit`` runs.

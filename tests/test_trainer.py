@@ -1272,6 +1272,27 @@ def _iter(batches: list[Any]) -> Iterator[Any]:
     yield from batches
 
 
+@pytest.mark.parametrize("make", [_iter, iter], ids=["generator", "list_iterator"])
+async def test_continuing_an_epoch_with_an_iterator_read_before_is_refused(
+    make: Callable[[list[Any]], Iterator[Any]],
+) -> None:
+    # Continuing reads the data from its start and skips what was trained on: an iterator
+    # that a stopped fit read (ahead of where it stopped, too) would lose batches silently.
+    batches = make_batches([4] * 10)
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    data = make(batches)
+    result = await fit_until_stopped(trainer, data, epochs=1, at_step=2)
+    assert result.stopped
+    done = trainer.global_step
+    with pytest.raises(DataError, match=r"iterator .* that was read before"):
+        await trainer.fit(data, epochs=1)
+    assert trainer.global_step == done  # nothing trained, nothing skipped
+    # A new iterator over the whole epoch continues it exactly.
+    await trainer.fit(make(batches), epochs=1)
+    assert trainer.global_step == 10
+    assert_close(trainer.model, reference(batches, 1, SGD))
+
+
 # -- reading the data ----------------------------------------------------------------------------
 
 
