@@ -147,7 +147,9 @@ class Epochs(DistributedSteps):
                         continue
                     window.batches.append(pending[:per_step])
                     pending = pending[per_step:]
-                    final = len(window.batches) == self.accumulate_grad_batches
+                    # >=: a window regrouped for fewer devices after a drop (Window.restart)
+                    # may hold as many micro-steps already.
+                    final = len(window.batches) >= self.accumulate_grad_batches
                     await self._step(window, epoch, final, tracker, tracked, bar)
                     if final:
                         window = Window()

@@ -496,15 +496,22 @@ class Trainer(Resumable):
         During a fit it waits for the current optimizer step to end, so the checkpoint holds a
         consistent state. The file is written on a thread, not on the event loop.
         """
-        while self._scheduler is None and self._session_kind is not None:
-            assert self._session_done is not None  # a fit or validate closing its session:
-            await self._session_done.wait()  # the checkpoint holds the state it ends with
-        if self._scheduler is not None and self._step_lock is not None:
-            async with self._step_lock:
-                state = await self._snapshot()
-        else:
-            async with self._session("checkpoint"):
-                state = await self._snapshot()
+        while True:
+            while self._scheduler is None and self._session_kind is not None:
+                assert self._session_done is not None  # a fit or validate closing its session:
+                await self._session_done.wait()  # the checkpoint holds the state it ends with
+            lock = self._step_lock
+            if self._scheduler is None or lock is None:
+                async with self._session("checkpoint"):
+                    state = await self._snapshot()
+                break
+            async with lock:
+                # The fit may have ended while this waited for its step (cancelled between
+                # the micro-steps of one): then its session is closing, and the next turn
+                # waits for that and takes a session of its own, whose start undoes the step.
+                if self._scheduler is not None and lock is self._step_lock:
+                    state = await self._snapshot()
+                    break
         return await self._write_checkpoint(state, path)
 
     def state_dict(self) -> dict[str, Any]:

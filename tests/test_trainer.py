@@ -1699,17 +1699,21 @@ async def test_batchnorm_buffers_stay_when_a_device_s_job_is_dropped_before_it_s
         batchnorm_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False
     )
     await expected.fit(batches, epochs=1)
-    run = asyncddp._scheduler._Job.__call__
+    run, held = asyncddp._scheduler._Job.__call__, threading.Event()
 
     def held_back(job: Any) -> Any:
         if job.index == 1 and job.phase == "train" and job.number == 3:
+            held.set()
             time.sleep(0.4)  # still queued, as far as the step is concerned
         return run(job)
 
     monkeypatch.setattr(asyncddp._scheduler._Job, "__call__", held_back)
     trainer = Trainer(batchnorm_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
-    with anyio.move_on_after(0.2):
-        await trainer.fit(batches, epochs=1)
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: trainer.fit(batches, epochs=1))  # type: ignore[arg-type,return-value]
+            assert await anyio.to_thread.run_sync(held.wait, 10.0)  # set on a worker thread
+            scope.cancel()
     assert trainer.global_step == 3
     assert_replicas_identical(trainer)  # buffers included, right after the cancellation
     monkeypatch.undo()
@@ -1803,6 +1807,79 @@ async def test_state_dict_before_any_fit_gives_back_what_was_loaded() -> None:
     await relayed.fit(batches, epochs=2)
     await trained.fit(batches, epochs=2)
     assert_close(relayed.model, trained.model)
+
+
+async def test_a_checkpoint_waiting_for_a_window_of_a_fit_cancelled_meanwhile_is_written(
+    tmp_path: Any,
+) -> None:
+    # The checkpoint waits for the optimizer step in progress (two micro-steps here) while the
+    # fit waits for a slow batch; the fit is cancelled before the step ends. The checkpoint
+    # then takes a session of its own, which undoes the half step (an earlier version failed
+    # with "no session is open"), and holds the state after step 0.
+    batches = make_batches([6, 9, 7, 8, 6, 9, 7, 8])
+
+    class SlowFourthBatch:
+        def __iter__(self) -> Iterator[Any]:
+            for index, batch in enumerate(batches):
+                if index == 3:  # step 1's second micro-step
+                    time.sleep(1.0)
+                yield batch
+
+    def fresh() -> Trainer:
+        return Trainer(
+            batchnorm_model(),
+            SGD,
+            loss_step,
+            devices=cpu_devices(2),
+            accumulate_grad_batches=2,
+            progress_bar=False,
+        )
+
+    trainer = fresh()
+    stream = trainer.events()
+    saved: list[Any] = []
+
+    async def checkpoint_in_step_1() -> None:
+        async for event in stream:
+            if isinstance(event, StepEnded) and event.step == 0:
+                await anyio.sleep(0.1)  # step 1's first micro-step is done; its second waits
+                saved.append(await trainer.save_checkpoint(tmp_path / "mid.ckpt"))
+                return
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(checkpoint_in_step_1)
+        with anyio.move_on_after(0.5):
+            await trainer.fit(SlowFourthBatch(), epochs=1)
+    assert trainer.global_step == 1
+    assert asyncddp._checkpoint.load(saved[0])["global_step"] == 1
+    resumed, uninterrupted = fresh(), fresh()
+    await resumed.fit(batches, epochs=1, resume=saved[0])
+    await uninterrupted.fit(batches, epochs=1)
+    assert_close(resumed.model, uninterrupted.model)
+
+
+async def test_dropping_a_device_in_an_accumulating_step_keeps_the_steps_coming() -> None:
+    # With whole batches a device (split_batches=False), the step's batches are regrouped for
+    # the devices left: an earlier version then never closed another window, and the rest of
+    # the epoch became one optimizer step.
+    batches = make_batches([4] * 12)
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        asyncddp.testing.failing_step(loss_step, device=1, at=0),
+        devices=cpu_devices(2),
+        accumulate_grad_batches=2,
+        split_batches=False,
+        on_failure="drop",
+        progress_bar=False,
+    )
+    stream = trainer.events()
+    with pytest.warns(asyncddp.DeviceDroppedWarning):
+        result = await trainer.fit(batches, epochs=1)
+    items = [e.items async for e in stream if isinstance(e, StepEnded)]
+    assert sum(items) == 48
+    assert result.global_step == len(items) >= 5
+    assert max(items) <= 12  # at most the regrouped window's three batches
 
 
 async def test_stop_at_the_last_step_of_an_epoch_still_closes_the_epoch() -> None:
