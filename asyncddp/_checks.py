@@ -1,11 +1,16 @@
 """Argument checks shared by the public constructors: a wrong type or value raises
-:class:`ConfigurationError` naming the argument, before any thread starts."""
+:class:`ConfigurationError` naming the argument, before any thread starts. What passes comes
+back as a plain Python value (a NumPy int as an ``int``, say)."""
 
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import os
 from typing import Any
+
+import numpy as np
 
 from ._exceptions import ConfigurationError
 
@@ -15,37 +20,46 @@ MAX_THREADS = 2**31 - 1
 
 def check_int(
     name: str, value: Any, low: int, high: int | None = None, *, none: bool = False
-) -> None:
-    """``value`` is an int (not a bool) from ``low`` to ``high``, or None when ``none``."""
+) -> Any:
+    """An integer (Python's or NumPy's, not a bool) from ``low`` to ``high``, or None when
+    ``none``; returns it as an ``int``."""
     if none and value is None:
-        return
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-    if ok and high is not None:
-        ok = value <= high
-    if not ok:
+        return None
+    integral = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+    number = operator.index(value) if integral else None
+    if number is None or number < low or (high is not None and number > high):
         span = f">= {low}" if high is None else f"from {low} to {high}"
         raise ConfigurationError(
             f"{name} must be an int {span}{' or None' if none else ''}, got {value!r}"
         )
+    return number
 
 
-def check_positive(name: str, value: Any, *, unit: str = "", none: bool = True) -> None:
-    """``value`` is a finite number above 0 (``unit``: what it counts), or None when ``none``."""
+def check_positive(name: str, value: Any, *, unit: str = "", none: bool = True) -> Any:
+    """A real number above 0 (infinity included; ``unit``: what it counts), or None when
+    ``none``; returns it as a ``float``."""
     if none and value is None:
-        return
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not (number and math.isfinite(value) and value > 0):
+        return None
+    real = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    if not (real and not math.isnan(value) and value > 0):
         what = f"a positive number{f' of {unit}' if unit else ''}"
         raise ConfigurationError(
             f"{name} must be {what}{' or None' if none else ''}, got {value!r}"
         )
+    return float(value)
 
 
-def check_bool(name: str, value: Any, *, none: bool = False) -> None:
-    if not (isinstance(value, bool) or (none and value is None)):
-        raise ConfigurationError(
-            f"{name} must be True or False{' or None' if none else ''}, got {value!r}"
-        )
+def check_bool(name: str, value: Any, *, none: bool = False) -> Any:
+    """True or False (a NumPy bool, 0 or 1 too), or None when ``none``; returns a ``bool``."""
+    if none and value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or (
+        isinstance(value, numbers.Integral) and value in (0, 1)
+    ):
+        return bool(value)
+    raise ConfigurationError(
+        f"{name} must be True or False{' or None' if none else ''}, got {value!r}"
+    )
 
 
 def check_path(name: str, value: Any) -> None:

@@ -13,7 +13,8 @@ import math
 import sys
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,11 +70,23 @@ class Epochs(DistributedSteps):
     _stop_reason: str | None
     _step_lock: anyio.Lock | None
     _window_locked: bool  # the step lock is held for an optimizer step of several micro-steps
+    _last_iterator: Callable[[], Any] | None
     _cancelled_in_step: BaseException | None
     _batches_world: int  # how many processes counted _batches_done (each its own)
 
     async def _save_epoch_checkpoint(self) -> None:
         raise NotImplementedError
+
+    def _remember_iterator(self, data: Iterable[Any]) -> None:
+        """Note an iterator this epoch reads (see Trainer._check_continued): weakly where its
+        type allows, so that it does not outlive its user's references."""
+        if not isinstance(data, Iterator):
+            self._last_iterator = None
+            return
+        try:
+            self._last_iterator = weakref.ref(data)
+        except TypeError:  # list_iterator and others: kept until the epoch ends or a load
+            self._last_iterator = lambda: data
 
     def _unlock_window(self) -> None:
         if self._window_locked:
@@ -130,6 +143,7 @@ class Epochs(DistributedSteps):
         async def step(window: Window) -> None:
             await self._step(window, epoch, True, tracker, tracked, bar)
 
+        self._remember_iterator(data)
         try:
             async with self._prefetcher(self._rank_data(data, epoch), "train_data") as batches:
                 async for batch in batches:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ class Resumable(Epochs):
     _source: nn.Module
     _pending_state: dict[str, Any] | None
     _window: int
+    _last_iterator: Callable[[], Any] | None
     _scaler: LossScaler | None
 
     def _position(self) -> dict[str, Any]:
@@ -79,6 +80,7 @@ class Resumable(Epochs):
         # ... but not with the buffers the replicas saved before it: the loaded state's
         # buffers replace them (a new window number matches no replica's saved copy).
         self._window += 1
+        self._last_iterator = None  # the loaded position is not that iterator's
         if not self._replicas:
             self._source.load_state_dict(state["model"])
         self._pending_state = dict(state)

@@ -246,9 +246,11 @@ class StepScheduler:
         drain_timeout: float | None = 10.0,
         threads_per_worker: int | None = None,
     ) -> None:
-        check_int("threads_per_worker", threads_per_worker, 1, MAX_THREADS, none=True)
-        check_positive("step_timeout", step_timeout, unit="seconds")
-        check_positive("drain_timeout", drain_timeout, unit="seconds")
+        threads_per_worker = check_int(
+            "threads_per_worker", threads_per_worker, 1, MAX_THREADS, none=True
+        )
+        step_timeout = check_positive("step_timeout", step_timeout, unit="seconds")
+        drain_timeout = check_positive("drain_timeout", drain_timeout, unit="seconds")
         self.devices: tuple[Device, ...] = resolve_devices(devices)
         self._device_types = frozenset(device.type for device in self.devices)
         self.step_timeout = step_timeout

@@ -31,7 +31,7 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -208,8 +208,8 @@ class Trainer(Resumable):
             raise ConfigurationError("step must be a function step(model, batch) -> loss")
         if valid_step is not None and not callable(valid_step):
             raise ConfigurationError("valid_step must be a function valid_step(model, batch)")
-        check_int("accumulate_grad_batches", accumulate_grad_batches, 1)
-        check_positive("gradient_clip_val", gradient_clip_val)
+        accumulate_grad_batches = check_int("accumulate_grad_batches", accumulate_grad_batches, 1)
+        gradient_clip_val = check_positive("gradient_clip_val", gradient_clip_val)
         _check(
             lr_scheduler_interval in ("epoch", "step"),
             f"lr_scheduler_interval must be 'epoch' or 'step', not {lr_scheduler_interval!r}",
@@ -218,18 +218,17 @@ class Trainer(Resumable):
             on_failure in ("raise", "retry", "drop"),
             f"on_failure must be 'raise', 'retry' or 'drop', not {on_failure!r}",
         )
-        check_int("max_retries", max_retries, 0)
-        check_int("prefetch", prefetch, 1)
-        check_positive("step_timeout", step_timeout, unit="seconds")
-        check_int("threads_per_worker", threads_per_worker, 1, MAX_THREADS, none=True)
-        for name, flag in (
-            ("split_batches", split_batches),
-            ("atomic_steps", atomic_steps),
-            ("check_finite", check_finite),
-        ):
-            check_bool(name, flag)
-        check_bool("progress_bar", progress_bar, none=True)
-        check_bool("pin_memory", pin_memory, none=True)
+        max_retries = check_int("max_retries", max_retries, 0)
+        prefetch = check_int("prefetch", prefetch, 1)
+        step_timeout = check_positive("step_timeout", step_timeout, unit="seconds")
+        threads_per_worker = check_int(
+            "threads_per_worker", threads_per_worker, 1, MAX_THREADS, none=True
+        )
+        split_batches = check_bool("split_batches", split_batches)
+        atomic_steps = check_bool("atomic_steps", atomic_steps)
+        check_finite = check_bool("check_finite", check_finite)
+        progress_bar = check_bool("progress_bar", progress_bar, none=True)
+        pin_memory = check_bool("pin_memory", pin_memory, none=True)
         check_path("checkpoint_dir", checkpoint_dir)
         self.devices: tuple[Device, ...] = resolve_devices(_rank_devices(devices))
         kinds = sorted({device.type for device in self.devices})
@@ -280,8 +279,8 @@ class Trainer(Resumable):
         self._epoch_trained = False  # all batches done; validation and the epoch's end pending
         self._replicas: list[Replica] = []
         self._pending_state: dict[str, Any] | None = None
-        # The iterator a fit that stopped in mid-epoch trained on, if any (_check_continued).
-        self._last_iterator: Iterator[Any] | None = None
+        # The iterator an unfinished epoch was read from, if any (_check_continued).
+        self._last_iterator: Callable[[], Any] | None = None
         self._scheduler: StepScheduler | None = None
         self._hub = EventHub()
         self._stop_reason: str | None = None
@@ -476,10 +475,11 @@ class Trainer(Resumable):
         iterator cannot start over (the fit that read it also read ahead of where it
         stopped). A new iterator over the whole epoch is fine."""
         if isinstance(data, Iterator):
-            read = data is self._last_iterator or (
+            last = self._last_iterator() if self._last_iterator is not None else None
+            read = data is last or (
                 inspect.isgenerator(data) and inspect.getgeneratorstate(data) != inspect.GEN_CREATED
             )
-            if self._batches_done and read:
+            if self._batches_done and not self._epoch_trained and read:
                 raise DataError(
                     f"train_data is an iterator ({type(data).__name__}) that was read before: "
                     f"this epoch stopped after {self._batches_done} batches, and continuing "
@@ -487,8 +487,6 @@ class Trainer(Resumable):
                     "start over. Pass a new iterator over the whole epoch, or data that starts "
                     "over each time it is iterated (a list of batches, a DataLoader)"
                 )
-        # Kept only while an epoch is left unfinished (see fit): then it is what matters.
-        self._last_iterator = data if isinstance(data, Iterator) else None
 
     async def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
         """Write the training state to ``path`` atomically; safe while ``fit`` runs.
@@ -500,18 +498,21 @@ class Trainer(Resumable):
             while self._scheduler is None and self._session_kind is not None:
                 assert self._session_done is not None  # a fit or validate closing its session:
                 await self._session_done.wait()  # the checkpoint holds the state it ends with
-            lock = self._step_lock
+            lock, done = self._step_lock, self._session_done
             if self._scheduler is None or lock is None:
                 async with self._session("checkpoint"):
                     state = await self._snapshot()
                 break
             async with lock:
-                # The fit may have ended while this waited for its step (cancelled between
-                # the micro-steps of one): then its session is closing, and the next turn
-                # waits for that and takes a session of its own, whose start undoes the step.
-                if self._scheduler is not None and lock is self._step_lock:
+                current = self._scheduler is not None and lock is self._step_lock
+                if current and not self._window_open:
                     state = await self._snapshot()
                     break
+            # The fit ended while this waited for its step, leaving the step half done if it
+            # was cancelled between the step's micro-steps: wait for its session to close; a
+            # session of this checkpoint's own then undoes that half step before the snapshot.
+            assert done is not None
+            await done.wait()
         return await self._write_checkpoint(state, path)
 
     def state_dict(self) -> dict[str, Any]:

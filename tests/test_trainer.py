@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -9,6 +10,7 @@ from typing import Any, ClassVar
 
 import anyio
 import anyio.lowlevel
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1246,10 +1248,10 @@ def test_bad_configuration_fails_at_construction() -> None:
         ("threads_per_worker", 2**31),  # more than torch.set_num_threads takes
         ("threads_per_worker", True),
         ("split_batches", "no"),
-        ("atomic_steps", 1),
+        ("atomic_steps", 2),
         ("check_finite", "yes"),
         ("progress_bar", "on"),
-        ("pin_memory", 0),
+        ("pin_memory", "no"),
         ("checkpoint_dir", 5),
         ("valid_step", 5),
     ],
@@ -1261,6 +1263,31 @@ def test_a_wrong_type_or_value_of_an_option_is_a_configuration_error_naming_it(
         Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), **{option: value})
 
 
+def test_numpy_numbers_infinity_and_0_or_1_flags_are_taken_as_python_values() -> None:
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(1),
+        accumulate_grad_batches=np.int64(2),
+        gradient_clip_val=math.inf,  # the norm, unclipped
+        step_timeout=np.float32(5.0),
+        prefetch=np.int32(3),
+        threads_per_worker=np.int64(1),
+        split_batches=np.bool_(True),
+        check_finite=1,
+    )
+    assert (trainer.accumulate_grad_batches, trainer.prefetch, trainer.threads_per_worker) == (
+        2,
+        3,
+        1,
+    )
+    assert type(trainer.accumulate_grad_batches) is int
+    assert (trainer.gradient_clip_val, trainer.step_timeout) == (math.inf, 5.0)
+    assert trainer.split_batches is True
+    assert trainer.check_finite is True
+
+
 @pytest.mark.parametrize("epochs", [0, -1, 1.5, True])
 async def test_epochs_must_be_positive(epochs: Any) -> None:
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), progress_bar=False)
@@ -1270,6 +1297,44 @@ async def test_epochs_must_be_positive(epochs: Any) -> None:
 
 def _iter(batches: list[Any]) -> Iterator[Any]:
     yield from batches
+
+
+async def test_an_iterator_is_not_refused_where_nothing_is_left_to_read_or_it_was_not_read(
+    tmp_path: Any,
+) -> None:
+    batches = make_batches([4] * 6)
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    await fit_until_stopped(trainer, batches, epochs=1, at_step=1)  # a list: mid-epoch now
+    fresh = _iter(batches)
+    with pytest.raises(DataError, match="Dataset"):  # refused before anything reads train_data
+        await trainer.fit(fresh, epochs=1, valid_data=torch.utils.data.TensorDataset(batches[0][0]))
+    await trainer.fit(fresh, epochs=1)  # not read: it continues the epoch
+    assert trainer.global_step == 6
+    # Every batch of the epoch trained, then validation raised: finishing the epoch reads no
+    # training data, so the same, used-up iterator is fine.
+    broken = {"validation": True}
+
+    def valid_step(model: nn.Module, batch: Any) -> torch.Tensor:
+        if broken["validation"]:
+            raise RuntimeError("validation broke")
+        return loss_step(model, batch)
+
+    other = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(2),
+        valid_step=valid_step,
+        progress_bar=False,
+    )
+    data = iter(batches)
+    with pytest.raises(WorkerFailedError):
+        await other.fit(data, epochs=1, valid_data=batches)
+    assert other.global_step == 6  # every batch trained; the epoch is not closed
+    assert other.epoch == 0
+    broken["validation"] = False
+    result = await other.fit(data, epochs=1, valid_data=batches)
+    assert result.epoch == 1
 
 
 @pytest.mark.parametrize("make", [_iter, iter], ids=["generator", "list_iterator"])
@@ -1813,43 +1878,52 @@ async def test_a_checkpoint_waiting_for_a_window_of_a_fit_cancelled_meanwhile_is
     tmp_path: Any,
 ) -> None:
     # The checkpoint waits for the optimizer step in progress (two micro-steps here) while the
-    # fit waits for a slow batch; the fit is cancelled before the step ends. The checkpoint
+    # fit waits for a late batch; the fit is cancelled before the step ends. The checkpoint
     # then takes a session of its own, which undoes the half step (an earlier version failed
     # with "no session is open"), and holds the state after step 0.
-    batches = make_batches([6, 9, 7, 8, 6, 9, 7, 8])
+    batches = make_batches([6, 8, 13, 8, 6, 8, 6, 8])  # 13: shards of 7 and 6, 7 in no other
+    in_step_1, release = threading.Event(), threading.Event()
 
-    class SlowFourthBatch:
+    class LateFourthBatch:
         def __iter__(self) -> Iterator[Any]:
             for index, batch in enumerate(batches):
                 if index == 3:  # step 1's second micro-step
-                    time.sleep(1.0)
+                    release.wait(10.0)
                 yield batch
 
-    def fresh() -> Trainer:
+    def noting_step_1(model: nn.Module, batch: Any) -> torch.Tensor:
+        if len(batch[0]) == 7:  # step 1's first micro-step: its window holds the step lock
+            in_step_1.set()
+        return loss_step(model, batch)
+
+    def fresh(step: Any = loss_step) -> Trainer:
         return Trainer(
             batchnorm_model(),
             SGD,
-            loss_step,
+            step,
             devices=cpu_devices(2),
             accumulate_grad_batches=2,
             progress_bar=False,
         )
 
-    trainer = fresh()
-    stream = trainer.events()
+    trainer = fresh(noting_step_1)
     saved: list[Any] = []
 
-    async def checkpoint_in_step_1() -> None:
-        async for event in stream:
-            if isinstance(event, StepEnded) and event.step == 0:
-                await anyio.sleep(0.1)  # step 1's first micro-step is done; its second waits
-                saved.append(await trainer.save_checkpoint(tmp_path / "mid.ckpt"))
-                return
+    async def checkpoint() -> None:
+        saved.append(await trainer.save_checkpoint(tmp_path / "mid.ckpt"))
 
-    async with anyio.create_task_group() as group:
-        group.start_soon(checkpoint_in_step_1)
-        with anyio.move_on_after(0.5):
-            await trainer.fit(SlowFourthBatch(), epochs=1)
+    try:
+        async with anyio.create_task_group() as group:
+            with anyio.CancelScope() as fitting:
+                async with anyio.create_task_group() as fit_group:
+                    fit_group.start_soon(lambda: trainer.fit(LateFourthBatch(), epochs=1))  # type: ignore[arg-type,return-value]
+                    assert await anyio.to_thread.run_sync(in_step_1.wait, 10.0)
+                    group.start_soon(checkpoint)
+                    await anyio.wait_all_tasks_blocked()  # the checkpoint waits for the lock
+                    fitting.cancel()
+                    release.set()  # the loader's thread: let it end (the fit has stopped)
+    finally:
+        release.set()
     assert trainer.global_step == 1
     assert asyncddp._checkpoint.load(saved[0])["global_step"] == 1
     resumed, uninterrupted = fresh(), fresh()
