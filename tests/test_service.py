@@ -146,4 +146,7 @@ def test_two_jobs_stream_cancel_and_the_service_keeps_answering(server: str) -> 
 
 def test_unknown_job_is_a_404(server: str) -> None:
     assert httpx.get(f"{server}/jobs/job-999").status_code == 404
+    # Its event stream too: an earlier version sent 200, then broke the stream off.
+    assert httpx.get(f"{server}/jobs/job-999/events").status_code == 404
+    assert httpx.delete(f"{server}/jobs/job-999").status_code == 404
     assert httpx.post(f"{server}/jobs", json={"epochs": 0}).status_code == 422

@@ -1,7 +1,8 @@
 """A training service: several training jobs at once, inside one FastAPI event loop.
 
 Run:  pip install -e ".[service]"
-      uvicorn app:app --app-dir examples/service        (or: python examples/service/app.py)
+      uvicorn app:app --app-dir examples/service --timeout-graceful-shutdown 5
+      (or: python examples/service/app.py)
 
     POST   /jobs               {"epochs": 5, "devices": 2}  start a job    -> {"id": "...", ...}
     GET    /jobs                                           list the jobs
@@ -13,6 +14,9 @@ Run:  pip install -e ".[service]"
 
 Each job is an asyncio task awaiting ``trainer.fit()`` on CPU workers of its own; the event loop
 only dispatches, so the service keeps answering while the jobs train.
+
+On shutdown uvicorn waits for open connections before the lifespan cancels the jobs, and an
+event stream stays open until its job ends: ``--timeout-graceful-shutdown`` bounds that wait.
 """
 
 from __future__ import annotations
@@ -23,11 +27,11 @@ import dataclasses
 import functools
 import itertools
 from collections.abc import AsyncIterable, AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
-from fastapi import FastAPI, HTTPException
+from fastapi import Depends, FastAPI, HTTPException
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 from pydantic import BaseModel, Field
 
@@ -187,8 +191,9 @@ async def cancel_job(job_id: str) -> dict[str, Any]:
 
 
 @app.get("/jobs/{job_id}/events", response_class=EventSourceResponse)
-async def job_events(job_id: str) -> AsyncIterable[ServerSentEvent]:
-    job = find(job_id)
+async def job_events(job: Annotated[Job, Depends(find)]) -> AsyncIterable[ServerSentEvent]:
+    # The job is looked up as a dependency, before the stream starts: an unknown id is a 404,
+    # not a stream that breaks off once its 200 is sent.
     sent = 0
     while True:
         while sent < len(job.log):
@@ -208,4 +213,4 @@ async def health() -> dict[str, Any]:
 if __name__ == "__main__":
     import uvicorn
 
-    uvicorn.run(app, host="127.0.0.1", port=8000)
+    uvicorn.run(app, host="127.0.0.1", port=8000, timeout_graceful_shutdown=5)
