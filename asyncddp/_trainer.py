@@ -645,6 +645,11 @@ class Trainer(Resumable):
             replica.regroup(parts, index, loose=lone)
             return replica
 
+        # Building the replicas is not a step: step_timeout does not bound it. (The first
+        # optimizer a process builds imports torch._dynamo, about a second; a short timeout
+        # failed every first fit.) The scheduler is this trainer's own, and nothing else runs.
+        scheduler = self._require_scheduler()
+        timeout, scheduler.step_timeout = scheduler.step_timeout, None
         try:
             result = await self._scheduler_run(build, list(range(parts)), phase="setup")
         except WorkerFailedError as error:
@@ -653,6 +658,8 @@ class Trainer(Resumable):
                 # A mistake in the arguments, not a device fault; what the factory raised stays.
                 raise cause from cause.__cause__
             raise
+        finally:
+            scheduler.step_timeout = timeout
         self._replicas = list(result.outputs)
 
     def _new_scheduler(self) -> StepScheduler:

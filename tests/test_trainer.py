@@ -1263,6 +1263,25 @@ def test_a_wrong_type_or_value_of_an_option_is_a_configuration_error_naming_it(
         Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), **{option: value})
 
 
+async def test_step_timeout_does_not_bound_building_the_replicas() -> None:
+    # The first optimizer a process builds takes about a second (torch imports
+    # torch._dynamo): an earlier version timed the build as a step and failed the first fit.
+    def slow_sgd(params: Any) -> torch.optim.Optimizer:
+        time.sleep(0.5)
+        return SGD(params)
+
+    trainer = Trainer(
+        make_model(),
+        slow_sgd,
+        loss_step,
+        devices=cpu_devices(2),
+        step_timeout=0.2,
+        progress_bar=False,
+    )
+    result = await trainer.fit(make_batches([4, 4]), epochs=1)
+    assert result.global_step == 2
+
+
 def test_numpy_numbers_infinity_and_0_or_1_flags_are_taken_as_python_values() -> None:
     trainer = Trainer(
         make_model(),
