@@ -257,6 +257,8 @@ class StepScheduler:
         self.drain_timeout = drain_timeout
         self.threads_per_worker = threads_per_worker
         self._workers: tuple[DeviceWorker, ...] = ()
+        # Worker threads closing left behind, still in a job (see _close_workers).
+        self._left_behind: list[threading.Thread] = []
         self._state = "new"
         self._next_step = 0
         self._tracker = ProgressTracker(len(self.devices))
@@ -383,6 +385,7 @@ class StepScheduler:
             if done:
                 worker.join()  # its last job has run: the thread is returning
             else:
+                self._left_behind.append(worker.thread)
                 warnings.warn(
                     f"{worker.thread.name} is still running a job (or the work one left for "
                     f"after it) after drain_timeout="

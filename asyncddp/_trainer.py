@@ -30,6 +30,7 @@ import contextlib
 import inspect
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -279,6 +280,8 @@ class Trainer(Resumable):
         self._epoch_trained = False  # all batches done; validation and the epoch's end pending
         self._replicas: list[Replica] = []
         self._pending_state: dict[str, Any] | None = None
+        # Worker threads an earlier call left behind in a job (see _session).
+        self._stragglers: list[threading.Thread] = []
         # The iterator an unfinished epoch was read from, if any (_check_continued).
         self._last_iterator: Callable[[], Any] | None = None
         self._scheduler: StepScheduler | None = None
@@ -551,6 +554,16 @@ class Trainer(Resumable):
     async def _session(self, kind: str) -> AsyncIterator[StepScheduler]:
         """Worker threads for one fit, validate or checkpoint call."""
         self._refuse_if_running()
+        self._stragglers = [thread for thread in self._stragglers if thread.is_alive()]
+        if self._stragglers:
+            names = ", ".join(thread.name for thread in self._stragglers)
+            raise AsyncDDPError(
+                f"{names} is still running a job that did not finish in time (left behind "
+                "when the last call closed its workers): it writes into this trainer's "
+                "replicas when it returns, and would corrupt the next steps. Call again once "
+                "it has returned (asyncddp.testing.asyncddp_threads() lists it), or train a "
+                "new Trainer"
+            )
         if not self._consistent:
             raise AsyncDDPError(
                 "a failed optimizer step left the replicas different from each other "
@@ -599,7 +612,10 @@ class Trainer(Resumable):
                         if ended:  # else closing bounds the wait: drain_timeout
                             await self._finish_streams(current)
                     finally:
-                        await current.aclose()
+                        try:
+                            await current.aclose()
+                        finally:
+                            self._stragglers += current._left_behind
             finally:
                 self._session_kind = None
                 self._session_done.set()

@@ -263,6 +263,60 @@ async def test_a_device_hung_in_its_reduce_is_dropped_and_its_late_writes_change
     TRIED.append("hang in the all-reduce/middle/1 of 3, dropped")
 
 
+async def test_a_job_left_behind_by_a_timeout_blocks_the_next_call_until_it_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step times out and closing its workers leaves the hung one behind. Its job writes
+    into the replicas when it returns: an earlier version let the next fit start meanwhile,
+    and the late writes changed that fit's results. Now every call on the trainer refuses,
+    naming the thread, until it has returned; then training goes on exactly."""
+    batches = make_batches(STEPS)
+    hung, release = threading.Event(), threading.Event()
+
+    def hangs_once(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        ctx = asyncddp.current_worker()
+        assert ctx is not None
+        if ctx.step == 2 and ctx.device.name == "cpu#1" and not hung.is_set():
+            hung.set()
+            release.wait(timeout=10.0)
+        return step(model, batch)
+
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        hangs_once,
+        devices=cpu_devices(2),
+        step_timeout=0.3,
+        progress_bar=False,
+    )
+    new_scheduler = trainer._new_scheduler
+
+    def scheduler_that_waits_little() -> asyncddp.StepScheduler:
+        scheduler = new_scheduler()
+        scheduler.drain_timeout = 0.05  # give up on the hung job at once: it is left behind
+        return scheduler
+
+    monkeypatch.setattr(trainer, "_new_scheduler", scheduler_that_waits_little)
+    try:
+        with (
+            pytest.raises(WorkerTimeoutError),
+            pytest.warns(RuntimeWarning, match=r"asyncddp-worker\[cpu#1\].*left behind"),
+        ):
+            await trainer.fit(batches, epochs=1)
+        assert trainer.global_step == 2
+        for call in (trainer.fit(batches, epochs=1), trainer.validate(batches)):
+            with pytest.raises(asyncddp.AsyncDDPError, match=r"asyncddp-worker\[cpu#1\] is still"):
+                await call
+    finally:
+        release.set()
+    for thread in trainer._stragglers:
+        thread.join(timeout=10.0)
+    await trainer.fit(batches, epochs=1)
+    assert trainer.global_step == STEPS
+    assert_params(trainer, plain_loop([[b] for b in batches]))
+    TRIED.append("hang past the drain, left behind/middle/1 of 2")
+
+
 async def test_keyboard_interrupt_in_a_worker_reaches_the_caller() -> None:
     batches = make_batches(STEPS)
     interrupt = Armed(failing_step(step, device=0, at=3, error=KeyboardInterrupt()), step)
