@@ -16,6 +16,7 @@ The loop thread never runs a job and never blocks on a thread: it queues, then a
 from __future__ import annotations
 
 import contextvars
+import math
 import threading
 import time
 import warnings
@@ -251,6 +252,9 @@ class StepScheduler:
         )
         step_timeout = check_positive("step_timeout", step_timeout, unit="seconds")
         drain_timeout = check_positive("drain_timeout", drain_timeout, unit="seconds")
+        # No limit, the same as None.
+        step_timeout = None if step_timeout == math.inf else step_timeout
+        drain_timeout = None if drain_timeout == math.inf else drain_timeout
         self.devices: tuple[Device, ...] = resolve_devices(devices)
         self._device_types = frozenset(device.type for device in self.devices)
         self.step_timeout = step_timeout

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 import os
 import threading
 import time
@@ -222,6 +223,8 @@ class Trainer(Resumable):
         max_retries = check_int("max_retries", max_retries, 0)
         prefetch = check_int("prefetch", prefetch, 1)
         step_timeout = check_positive("step_timeout", step_timeout, unit="seconds")
+        if step_timeout == math.inf:
+            step_timeout = None  # no limit: the same as None (the fused step needs None)
         threads_per_worker = check_int(
             "threads_per_worker", threads_per_worker, 1, MAX_THREADS, none=True
         )
@@ -410,7 +413,7 @@ class Trainer(Resumable):
                 self._adopt(await self._resume_state(resume))
             passes = epochs - self.epoch - (1 if self._epoch_trained else 0)
             _check_data(train_data, "train_data", passes)
-            self._check_continued(train_data)
+            self._check_continued(train_data, passes)
             if valid_data is not None:
                 _check_data(valid_data, "valid_data", epochs - self.epoch)
             await self._wait_for_checkpoint_session()  # one may have begun while joining
@@ -472,7 +475,7 @@ class Trainer(Resumable):
                 raise raised from raised.__cause__
             raise
 
-    def _check_continued(self, data: Iterable[Any]) -> None:
+    def _check_continued(self, data: Iterable[Any], passes: int) -> None:
         """Refuse to continue an epoch with an iterator that was read before: continuing
         reads the data from its start and skips the batches already trained on, and such an
         iterator cannot start over (the fit that read it also read ahead of where it
@@ -482,13 +485,21 @@ class Trainer(Resumable):
             read = data is last or (
                 inspect.isgenerator(data) and inspect.getgeneratorstate(data) != inspect.GEN_CREATED
             )
-            if self._batches_done and not self._epoch_trained and read:
+            # Continuing the epoch reads it again; an epoch that trained reads nothing, but
+            # any epoch after it does (``passes``: the epochs still to train).
+            unfinished = self._batches_done and not self._epoch_trained
+            if read and (unfinished or (self._epoch_trained and passes >= 1)):
+                why = (
+                    f"this epoch stopped after {self._batches_done} batches, and continuing "
+                    "it reads train_data from its start, skipping those"
+                    if unfinished
+                    else "the next epoch reads train_data from its start"
+                )
                 raise DataError(
                     f"train_data is an iterator ({type(data).__name__}) that was read before: "
-                    f"this epoch stopped after {self._batches_done} batches, and continuing "
-                    "it reads train_data from its start, skipping those; an iterator cannot "
-                    "start over. Pass a new iterator over the whole epoch, or data that starts "
-                    "over each time it is iterated (a list of batches, a DataLoader)"
+                    f"{why}; an iterator cannot start over. Pass a new iterator over the whole "
+                    "epoch, or data that starts over each time it is iterated (a list of "
+                    "batches, a DataLoader)"
                 )
 
     async def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
@@ -557,13 +568,16 @@ class Trainer(Resumable):
         self._stragglers = [thread for thread in self._stragglers if thread.is_alive()]
         if self._stragglers:
             names = ", ".join(thread.name for thread in self._stragglers)
-            raise AsyncDDPError(
+            error = AsyncDDPError(
                 f"{names} is still running a job that did not finish in time (left behind "
                 "when the last call closed its workers): it writes into this trainer's "
-                "replicas when it returns, and would corrupt the next steps. Call again once "
-                "it has returned (asyncddp.testing.asyncddp_threads() lists it), or train a "
-                "new Trainer"
+                "replicas, its model among them, when it returns, and would corrupt the next "
+                "steps. Call again once it has returned (the error's .threads: join them on a "
+                "thread, e.g. await anyio.to_thread.run_sync(thread.join)), or train a new "
+                "Trainer on a new model loaded from a checkpoint"
             )
+            error.threads = list(self._stragglers)  # type: ignore[attr-defined]
+            raise error
         if not self._consistent:
             raise AsyncDDPError(
                 "a failed optimizer step left the replicas different from each other "

@@ -305,8 +305,11 @@ async def test_a_job_left_behind_by_a_timeout_blocks_the_next_call_until_it_retu
             await trainer.fit(batches, epochs=1)
         assert trainer.global_step == 2
         for call in (trainer.fit(batches, epochs=1), trainer.validate(batches)):
-            with pytest.raises(asyncddp.AsyncDDPError, match=r"asyncddp-worker\[cpu#1\] is still"):
+            with pytest.raises(
+                asyncddp.AsyncDDPError, match=r"asyncddp-worker\[cpu#1\] is still"
+            ) as refused:
                 await call
+            assert [t.name for t in refused.value.threads] == ["asyncddp-worker[cpu#1]"]  # type: ignore[attr-defined]
     finally:
         release.set()
     for thread in trainer._stragglers:

@@ -1303,6 +1303,8 @@ def test_numpy_numbers_infinity_and_0_or_1_flags_are_taken_as_python_values() ->
     )
     assert type(trainer.accumulate_grad_batches) is int
     assert (trainer.gradient_clip_val, trainer.step_timeout) == (math.inf, 5.0)
+    unlimited = Trainer(make_model(), SGD, loss_step, step_timeout=math.inf)
+    assert unlimited.step_timeout is None  # no limit, as None (the fused step needs None)
     assert trainer.split_batches is True
     assert trainer.check_finite is True
 
@@ -1330,7 +1332,7 @@ async def test_an_iterator_is_not_refused_where_nothing_is_left_to_read_or_it_wa
     await trainer.fit(fresh, epochs=1)  # not read: it continues the epoch
     assert trainer.global_step == 6
     # Every batch of the epoch trained, then validation raised: finishing the epoch reads no
-    # training data, so the same, used-up iterator is fine.
+    # training data, so the same, used-up iterator is fine (for that epoch alone).
     broken = {"validation": True}
 
     def valid_step(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -1352,6 +1354,8 @@ async def test_an_iterator_is_not_refused_where_nothing_is_left_to_read_or_it_wa
     assert other.global_step == 6  # every batch trained; the epoch is not closed
     assert other.epoch == 0
     broken["validation"] = False
+    with pytest.raises(DataError, match="the next epoch reads train_data"):
+        await other.fit(data, epochs=2, valid_data=batches)  # epoch 1 would read it again
     result = await other.fit(data, epochs=1, valid_data=batches)
     assert result.epoch == 1
 
@@ -1949,6 +1953,66 @@ async def test_a_checkpoint_waiting_for_a_window_of_a_fit_cancelled_meanwhile_is
     await resumed.fit(batches, epochs=1, resume=saved[0])
     await uninterrupted.fit(batches, epochs=1)
     assert_close(resumed.model, uninterrupted.model)
+
+
+async def test_a_checkpoint_waiting_for_a_step_that_times_out_holds_the_step_before(
+    tmp_path: Any,
+) -> None:
+    # Step 1's second micro-step times out while a checkpoint waits for the step: the fit's
+    # session closes its (threaded) loader before it ends, and an earlier version snapshot
+    # the replicas then, with step 1's first micro-step in their BatchNorm statistics.
+    batches = make_batches([6, 8, 13, 8, 6, 8, 6, 8])  # 13: shards of 7 and 6
+    in_step_1, calls = threading.Event(), {"cpu#1": 0}
+
+    def hangs_in_step_1(model: nn.Module, batch: Any) -> torch.Tensor:
+        ctx = asyncddp.current_worker()
+        assert ctx is not None
+        if ctx.step == 1 and ctx.device.name == "cpu#1" and not in_step_1.is_set():
+            calls["cpu#1"] += 1
+            if calls["cpu#1"] == 2:  # step 1's second micro-step
+                in_step_1.set()
+                time.sleep(0.6)
+        return loss_step(model, batch)
+
+    class Threaded:  # not a list: read on a loader thread
+        def __iter__(self) -> Iterator[Any]:
+            return iter(batches)
+
+    trainer = Trainer(
+        batchnorm_model(),
+        SGD,
+        hangs_in_step_1,
+        devices=cpu_devices(2),
+        accumulate_grad_batches=2,
+        step_timeout=0.3,
+        progress_bar=False,
+    )
+    saved: list[Any] = []
+
+    async def fit() -> None:
+        with pytest.raises(asyncddp.WorkerTimeoutError):
+            await trainer.fit(Threaded(), epochs=1)
+
+    async def checkpoint() -> None:
+        assert await anyio.to_thread.run_sync(in_step_1.wait, 10.0)
+        saved.append(await trainer.save_checkpoint(tmp_path / "half.ckpt"))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(fit)
+        group.start_soon(checkpoint)
+    state = asyncddp._checkpoint.load(saved[0])
+    assert state["global_step"] == 1
+    after_step_0 = Trainer(
+        batchnorm_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(2),
+        accumulate_grad_batches=2,
+        progress_bar=False,
+    )
+    await after_step_0.fit(batches[:2], epochs=1)
+    for name, value in after_step_0.model.state_dict().items():
+        torch.testing.assert_close(state["model"][name], value, msg=f"{name} differs")
 
 
 async def test_dropping_a_device_in_an_accumulating_step_keeps_the_steps_coming() -> None:
