@@ -82,6 +82,19 @@ def assert_params(trainer: Trainer, expected: nn.Module) -> None:
             )
 
 
+def close_without_waiting(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the trainer's schedulers give up on a hung job at once when they close (instead
+    of waiting drain_timeout, 10 s): its thread is left behind."""
+    new_scheduler = trainer._new_scheduler
+
+    def scheduler_that_waits_little() -> asyncddp.StepScheduler:
+        scheduler = new_scheduler()
+        scheduler.drain_timeout = 0.05
+        return scheduler
+
+    monkeypatch.setattr(trainer, "_new_scheduler", scheduler_that_waits_little)
+
+
 class Armed:
     """Calls the faulty function until disarmed, then the clean one."""
 
@@ -243,14 +256,7 @@ async def test_a_device_hung_in_its_reduce_is_dropped_and_its_late_writes_change
     )
     # Closing the old scheduler would wait 10 s for the hung job: make it give up at once, so
     # that the thread is left behind while the others train.
-    new_scheduler = trainer._new_scheduler
-
-    def scheduler_that_waits_little() -> asyncddp.StepScheduler:
-        scheduler = new_scheduler()
-        scheduler.drain_timeout = 0.05
-        return scheduler
-
-    monkeypatch.setattr(trainer, "_new_scheduler", scheduler_that_waits_little)
+    close_without_waiting(trainer, monkeypatch)
     try:
         with pytest.warns(asyncddp.DeviceDroppedWarning, match="cpu#2"):
             await trainer.fit(batches, epochs=1)
@@ -289,14 +295,7 @@ async def test_a_job_left_behind_by_a_timeout_blocks_the_next_call_until_it_retu
         step_timeout=0.3,
         progress_bar=False,
     )
-    new_scheduler = trainer._new_scheduler
-
-    def scheduler_that_waits_little() -> asyncddp.StepScheduler:
-        scheduler = new_scheduler()
-        scheduler.drain_timeout = 0.05  # give up on the hung job at once: it is left behind
-        return scheduler
-
-    monkeypatch.setattr(trainer, "_new_scheduler", scheduler_that_waits_little)
+    close_without_waiting(trainer, monkeypatch)  # the hung job's thread is left behind
     try:
         with (
             pytest.raises(WorkerTimeoutError),
