@@ -49,6 +49,13 @@ def check_positive(name: str, value: Any, *, unit: str = "", none: bool = True) 
     return float(value)
 
 
+def check_seconds(name: str, value: Any) -> float | None:
+    """A time limit: a positive number of seconds, or None for none. Infinity is no limit
+    either, returned as None (what the code paths without a limit test for)."""
+    seconds = check_positive(name, value, unit="seconds")
+    return None if seconds == math.inf else seconds
+
+
 def check_bool(name: str, value: Any, *, none: bool = False) -> Any:
     """True or False (a NumPy bool, 0 or 1 too), or None when ``none``; returns a ``bool``."""
     if none and value is None:

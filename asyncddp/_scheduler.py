@@ -16,7 +16,6 @@ The loop thread never runs a job and never blocks on a thread: it queues, then a
 from __future__ import annotations
 
 import contextvars
-import math
 import threading
 import time
 import warnings
@@ -29,7 +28,7 @@ from typing import Any, Generic, TypeVar, cast
 import anyio
 import torch
 
-from ._checks import MAX_THREADS, check_int, check_positive
+from ._checks import MAX_THREADS, check_int, check_seconds
 from ._data import count_items
 from ._devices import Device, DeviceSpec, resolve_devices
 from ._exceptions import (
@@ -250,11 +249,8 @@ class StepScheduler:
         threads_per_worker = check_int(
             "threads_per_worker", threads_per_worker, 1, MAX_THREADS, none=True
         )
-        step_timeout = check_positive("step_timeout", step_timeout, unit="seconds")
-        drain_timeout = check_positive("drain_timeout", drain_timeout, unit="seconds")
-        # No limit, the same as None.
-        step_timeout = None if step_timeout == math.inf else step_timeout
-        drain_timeout = None if drain_timeout == math.inf else drain_timeout
+        step_timeout = check_seconds("step_timeout", step_timeout)
+        drain_timeout = check_seconds("drain_timeout", drain_timeout)
         self.devices: tuple[Device, ...] = resolve_devices(devices)
         self._device_types = frozenset(device.type for device in self.devices)
         self.step_timeout = step_timeout

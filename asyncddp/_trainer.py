@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import math
 import os
 import threading
 import time
@@ -43,7 +42,14 @@ import torch
 from torch import nn
 
 from . import _comm, _devices, distributed
-from ._checks import MAX_THREADS, check_bool, check_int, check_path, check_positive
+from ._checks import (
+    MAX_THREADS,
+    check_bool,
+    check_int,
+    check_path,
+    check_positive,
+    check_seconds,
+)
 from ._devices import CPU_HINT, Device, DeviceSpec, resolve_devices
 from ._epochs import EpochRecord
 from ._events import (
@@ -222,9 +228,7 @@ class Trainer(Resumable):
         )
         max_retries = check_int("max_retries", max_retries, 0)
         prefetch = check_int("prefetch", prefetch, 1)
-        step_timeout = check_positive("step_timeout", step_timeout, unit="seconds")
-        if step_timeout == math.inf:
-            step_timeout = None  # no limit: the same as None (the fused step needs None)
+        step_timeout = check_seconds("step_timeout", step_timeout)
         threads_per_worker = check_int(
             "threads_per_worker", threads_per_worker, 1, MAX_THREADS, none=True
         )
