@@ -93,9 +93,11 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
 
     Raises:
         ConfigurationError: the environment variables are missing (not launched by
-            ``torchrun``), ``backend`` is unknown, or NCCL is asked for and this process has
-            no GPU of its own (fewer GPUs than processes on its machine and no
-            ``CUDA_VISIBLE_DEVICES``, or another process has the same GPU).
+            ``torchrun``) or do not describe a process group (``RANK`` not below
+            ``WORLD_SIZE``, a value that is not a number), ``backend`` is unknown, or NCCL
+            is asked for and this process has no GPU of its own (fewer GPUs than processes
+            on its machine and no ``CUDA_VISIBLE_DEVICES``, or another process has the same
+            GPU).
     """
     if dist.is_initialized():
         return _current()
@@ -106,6 +108,7 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
             "not set. Launch with `torchrun --nproc-per-node 2 your_script.py`, or set RANK, "
             "WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself"
         )
+    _check_environment()
     global _joins
     backend = _backend(backend)
     if backend == "nccl":
@@ -182,6 +185,52 @@ def _store_barrier(store: Any, key: str, size: int) -> None:
     if store.add(key, 1) == size:
         store.set(key + "/all", "1")
     store.wait([key + "/all"])
+
+
+def _check_environment() -> None:
+    """Refuse a torchrun environment that cannot describe a process group, before joining:
+    with a rank outside the group, say, the process would wait for the others until the
+    store's timeout (30 minutes by default) instead."""
+    values: dict[str, int] = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        text = os.environ.get(name)
+        if text is None:
+            continue
+        try:
+            values[name] = int(text)
+        except ValueError:
+            raise ConfigurationError(
+                f"{name} must be a whole number, got {text!r}; torchrun sets it for each "
+                "process it starts"
+            ) from None
+    rank, size = values["RANK"], values["WORLD_SIZE"]
+    problems = []
+    if size < 1:
+        problems.append(f"WORLD_SIZE must be at least 1, got {size}")
+    elif not 0 <= rank < size:
+        problems.append(
+            f"RANK must be from 0 to WORLD_SIZE - 1 ({size - 1}), got {rank}: give each of "
+            f"the {size} process(es) a different RANK in that range"
+        )
+    local_size = values.get("LOCAL_WORLD_SIZE")
+    if local_size is not None and not 1 <= local_size <= max(size, 1):
+        problems.append(f"LOCAL_WORLD_SIZE must be from 1 to WORLD_SIZE ({size}), got {local_size}")
+    local_rank = values.get("LOCAL_RANK")
+    if local_rank is not None and not 0 <= local_rank < (local_size or max(size, 1)):
+        of = "LOCAL_WORLD_SIZE" if local_size is not None else "WORLD_SIZE"
+        problems.append(f"LOCAL_RANK must be from 0 to {of} - 1, got {local_rank}")
+    port = values["MASTER_PORT"]
+    if not 1 <= port <= 65535:
+        problems.append(f"MASTER_PORT must be a port number from 1 to 65535, got {port}")
+    if not os.environ["MASTER_ADDR"].strip():
+        problems.append("MASTER_ADDR is empty: give rank 0's host name or address")
+    if problems:
+        raise ConfigurationError(
+            "the torchrun environment does not describe a process group: "
+            + "; ".join(problems)
+            + ". torchrun sets these variables for each process it starts; set by hand, they"
+            " must agree"
+        )
 
 
 def _local_rank() -> int:

@@ -710,7 +710,7 @@ def test_init_without_the_torchrun_environment_says_how_to_launch(
     assert not asyncddp.distributed.is_initialized()
 
 
-def torchrun_env(monkeypatch: pytest.MonkeyPatch, gpus: int, env: dict[str, int]) -> None:
+def torchrun_env(monkeypatch: pytest.MonkeyPatch, gpus: int, env: dict[str, Any]) -> None:
     """This process as ``env`` describes it (RANK, WORLD_SIZE, LOCAL_*), with ``gpus`` GPUs."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
@@ -1132,3 +1132,31 @@ def test_a_backup_that_fails_during_the_exchange_fails_the_step_before_it_is_tak
     anyio.run(functools.partial(expected.fit, data[:1], epochs=1))
     for mine, theirs in zip(trainer.model.parameters(), expected.model.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"RANK": 1, "WORLD_SIZE": 1}, r"RANK must be from 0 to WORLD_SIZE - 1 \(0\), got 1"),
+        ({"RANK": -1, "WORLD_SIZE": 2}, "RANK must be from 0 to WORLD_SIZE - 1"),
+        ({"RANK": 0, "WORLD_SIZE": 0}, "WORLD_SIZE must be at least 1, got 0"),
+        ({"RANK": "one", "WORLD_SIZE": 2}, "RANK must be a whole number, got 'one'"),
+        ({"RANK": 0, "WORLD_SIZE": "2.0"}, "WORLD_SIZE must be a whole number"),
+        ({**ONE_MACHINE, "LOCAL_RANK": 2}, "LOCAL_RANK must be from 0 to LOCAL_WORLD_SIZE - 1"),
+        ({**ONE_MACHINE, "LOCAL_WORLD_SIZE": 3}, r"LOCAL_WORLD_SIZE must be from 1 to WORLD_SIZE"),
+        ({"RANK": 0, "WORLD_SIZE": 2, "LOCAL_RANK": 2}, "LOCAL_RANK must be from 0 to WORLD_SIZE"),
+        ({"RANK": 0, "WORLD_SIZE": 1, "MASTER_PORT": 70000}, "MASTER_PORT must be a port number"),
+        ({"RANK": 0, "WORLD_SIZE": 1, "MASTER_PORT": "http"}, "MASTER_PORT must be a whole"),
+        ({"RANK": 0, "WORLD_SIZE": 1, "MASTER_ADDR": " "}, "MASTER_ADDR is empty"),
+    ],
+)
+def test_init_refuses_an_environment_that_describes_no_process_group_at_once(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, Any], expected: str
+) -> None:
+    # RANK=1 with WORLD_SIZE=1 used to wait for a rank 0 that never comes, for the store's
+    # 30 minutes; a word where a number goes raised a bare ValueError from int().
+    torchrun_env(monkeypatch, 0, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port(), **env})
+    with pytest.raises(asyncddp.ConfigurationError, match=expected) as caught:
+        asyncddp.distributed.init()
+    assert "torchrun sets" in str(caught.value)
+    assert not asyncddp.distributed.is_initialized()
