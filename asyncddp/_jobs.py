@@ -234,6 +234,12 @@ class _OnHost:
         return float(self.loss), self.metrics
 
 
+def _number(value: torch.Tensor | float) -> float:
+    """A metric as a float: a tensor detached first (a metric computed from the model's
+    output requires grad, and ``float()`` of it warns)."""
+    return float(value.detach() if isinstance(value, torch.Tensor) else value)
+
+
 def _pinned_copy(value: torch.Tensor) -> torch.Tensor:
     value = value.detach()
     if not value.is_cuda:
@@ -322,7 +328,7 @@ class Jobs:
         return Sums(
             items,
             value * items,
-            {k: float(v) * items for k, v in metrics.items()},
+            {k: _number(v) * items for k, v in metrics.items()},
             replica.used_mask(),
             counted is not None,
         )
@@ -340,7 +346,7 @@ class Jobs:
         return Sums(
             items,
             float(loss) * items,
-            {k: float(v) * items for k, v in metrics.items()},
+            {k: _number(v) * items for k, v in metrics.items()},
             counted=counted is not None,
         )
 

@@ -437,6 +437,26 @@ async def test_fit_returns_history_with_validation_metrics() -> None:
     assert trainer.history == list(result.history)
 
 
+async def test_a_training_metric_that_requires_grad_is_read_without_a_warning() -> None:
+    # A metric computed from the model's output is part of its graph; float() of it warns
+    # (an error under this suite's filterwarnings), so the trainer detaches it first.
+    def step(model: nn.Module, batch: Any) -> dict[str, Any]:
+        inputs, targets = batch
+        logits = model(inputs)
+        return {"loss": F.cross_entropy(logits, targets), "mean_logit": logits.mean()}
+
+    batches = make_batches([8, 8])
+    trainer = Trainer(make_model(), SGD, step, devices=cpu_devices(2), progress_bar=False)
+    warned_once = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)  # torch warns of it once a process: not only in the first test
+    try:
+        result = await trainer.fit(batches, epochs=1, valid_data=batches)
+    finally:
+        torch.set_warn_always(warned_once)
+    assert set(result.history[0].train_metrics) == {"mean_logit"}
+    assert math.isfinite(result.history[0].train_metrics["mean_logit"])
+
+
 async def test_fit_again_continues_training() -> None:
     batches = make_batches([4, 4])
     expected = reference(batches, 3, SGD)
