@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,7 +163,8 @@ class Trainer(Resumable):
         progress_bar: Show a progress bar (tqdm's, which also renders in notebooks); by default
             when the output is a terminal or a notebook.
         pin_memory: Page-lock batches on the loader thread before they go to a GPU; by default
-            when a device is a GPU.
+            when a device is a GPU. ``True`` with no GPU among the devices warns and does
+            nothing.
         prefetch: Batches loaded ahead of training, on the loader thread (a list of batches
             with nothing to page-lock, read in place, needs none).
         threads_per_worker: Intra-op threads for each CPU worker; by default the process's
@@ -267,7 +269,18 @@ class Trainer(Resumable):
         self.atomic_steps = atomic_steps
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.progress_bar = progress_bar
-        self.pin_memory = any(d.is_cuda for d in self.devices) if pin_memory is None else pin_memory
+        on_gpus = any(d.is_cuda for d in self.devices)
+        if pin_memory and not on_gpus:
+            # As DataLoader(pin_memory=True) where there is no GPU: a warning, not an error
+            # (page-locking needs a GPU's driver, and a batch for a CPU device gains nothing).
+            warnings.warn(
+                "pin_memory=True does nothing when no device is a GPU "
+                f"({', '.join(d.name for d in self.devices)}): batches are not page-locked",
+                UserWarning,
+                stacklevel=2,
+            )
+            pin_memory = False
+        self.pin_memory = on_gpus if pin_memory is None else pin_memory
         self.prefetch = prefetch
         self.threads_per_worker = threads_per_worker
         self.check_finite = check_finite

@@ -457,6 +457,25 @@ async def test_a_training_metric_that_requires_grad_is_read_without_a_warning() 
     assert math.isfinite(result.history[0].train_metrics["mean_logit"])
 
 
+async def test_pin_memory_without_a_gpu_warns_and_trains_as_without_it() -> None:
+    # Page-locking needs a GPU's driver: on CPU devices the batches were pinned anyway, and
+    # where no GPU was visible every batch failed on the loader thread.
+    batches = make_batches([4, 4])
+    expected = reference(batches, 1, SGD)
+    with pytest.warns(UserWarning, match=r"pin_memory=True does nothing when no device is a GPU"):
+        trainer = Trainer(
+            make_model(),
+            SGD,
+            loss_step,
+            devices=cpu_devices(2),
+            pin_memory=True,
+            progress_bar=False,
+        )
+    assert trainer.pin_memory is False
+    await trainer.fit(batches, epochs=1)
+    assert_close(trainer.model, expected)
+
+
 async def test_fit_again_continues_training() -> None:
     batches = make_batches([4, 4])
     expected = reference(batches, 3, SGD)
