@@ -177,14 +177,20 @@ def is_batch_list(data: object) -> bool:
 def items_total(data: Iterable[Any]) -> int | None:
     """How many items one pass over ``data`` yields, when that can be known without iterating.
 
-    Knows ``torch.utils.data.DataLoader`` (with its ``drop_last``) over a sized dataset, and
-    sequences of batches (each batch counted). ``None`` otherwise.
+    Knows ``torch.utils.data.DataLoader`` (with its ``drop_last``) over a sized dataset, with
+    a sized sampler (an iterable dataset's own length counts), and sequences of batches (each
+    batch counted). ``None`` otherwise.
     """
     dataset = getattr(data, "dataset", None)
     batch_size = getattr(data, "batch_size", None)
     if dataset is not None and batch_size and hasattr(dataset, "__len__"):
         sampler = getattr(data, "sampler", None)
-        size = len(sampler) if isinstance(sampler, Sized) else len(dataset)
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            size = len(dataset)
+        elif isinstance(sampler, Sized):
+            size = len(sampler)
+        else:  # a sampler that may draw any number of the dataset's samples
+            return None
         if getattr(data, "drop_last", False):
             size = size // batch_size * batch_size
         return size

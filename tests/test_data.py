@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -94,3 +95,35 @@ async def test_a_prefetcher_read_in_place_transforms_notes_errors_and_closes() -
         assert await closed.__anext__() == 1
     with pytest.raises(StopAsyncIteration):
         await closed.__anext__()  # once closed, nothing more
+
+
+class _Evens(torch.utils.data.Sampler[int]):
+    """A sampler with no length: the even indices of ``size``."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(0, self.size, 2))
+
+
+class _Stream(torch.utils.data.IterableDataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 10
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(torch.zeros(10, 2))
+
+
+def test_items_total_is_unknown_for_a_sampler_of_no_length() -> None:
+    from asyncddp._data import items_total
+
+    data = torch.utils.data.TensorDataset(torch.zeros(20, 2))
+    loader = torch.utils.data.DataLoader
+    # It used to count the dataset: progress then ended at 10 of 20.
+    assert items_total(loader(data, batch_size=4, sampler=_Evens(20))) is None
+    assert items_total(loader(data, batch_size=4, sampler=range(0, 20, 2))) == 10
+    assert items_total(loader(data, batch_size=4, sampler=range(0, 20, 2), drop_last=True)) == 8
+    assert items_total(loader(data, batch_size=4, shuffle=True)) == 20
+    assert items_total(loader(_Stream(), batch_size=4)) == 10  # an iterable dataset's own length
+    assert items_total(loader(data, batch_sampler=[[0, 1], [2]])) is None
