@@ -8,7 +8,7 @@ leaves (numbers, strings, 0-dim tensors) are handed to every shard as they are.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sized
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -186,7 +186,7 @@ def items_total(data: Iterable[Any]) -> int | None:
     if dataset is not None and batch_size and hasattr(dataset, "__len__"):
         sampler = getattr(data, "sampler", None)
         if isinstance(dataset, torch.utils.data.IterableDataset):
-            size = len(dataset)
+            size = len(cast("Sized", dataset))
         elif isinstance(sampler, Sized):
             size = len(sampler)
         else:  # a sampler that may draw any number of the dataset's samples
