@@ -101,7 +101,9 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     """Split ``batch`` along dim 0 into ``parts`` shards, as even as can be.
 
     Shard sizes differ by one at most; when the batch has fewer items than ``parts``, the last
-    shards are empty (0 items). The shards are views: nothing is copied.
+    shards are empty (0 items). The shards are views: nothing is copied. A list or tuple of
+    strings (or bytes) as long as the batch is split with it: one per item, as
+    ``default_collate`` makes of a text field. Any other value goes whole to every shard.
     """
     if parts == 1:
         return [batch]  # the one shard is the batch itself (its callers have checked it)
@@ -110,21 +112,34 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     counts = [size // parts + (1 if i < size % parts else 0) for i in range(parts)]
     starts = [sum(counts[:i]) for i in range(parts)]
     return [
-        _slice(batch, start, start + count) for start, count in zip(starts, counts, strict=True)
+        _slice(batch, start, start + count, size)
+        for start, count in zip(starts, counts, strict=True)
     ]
 
 
-def _slice(value: Any, start: int, stop: int) -> Any:
+def _slice(value: Any, start: int, stop: int, size: int) -> Any:
     if isinstance(value, torch.Tensor):
         return value[start:stop] if _splittable(value) else value
     if isinstance(value, Mapping):
-        return type(value)({key: _slice(item, start, stop) for key, item in value.items()})  # type: ignore[call-arg]
+        return type(value)({key: _slice(item, start, stop, size) for key, item in value.items()})  # type: ignore[call-arg]
+    if isinstance(value, (tuple, list)) and _per_item_text(value, size):
+        return value[start:stop]
     if isinstance(value, tuple):
-        sliced = [_slice(item, start, stop) for item in value]
+        sliced = [_slice(item, start, stop, size) for item in value]
         return type(value)(*sliced) if hasattr(value, "_fields") else tuple(sliced)
     if isinstance(value, list):
-        return [_slice(item, start, stop) for item in value]
+        return [_slice(item, start, stop, size) for item in value]
     return value
+
+
+def _per_item_text(value: list[Any] | tuple[Any, ...], size: int) -> bool:
+    """Whether ``value`` is a text field of a batch of ``size`` items: a plain list or tuple of
+    that many strings (or bytes), one per item."""
+    return (
+        type(value) in (list, tuple)
+        and len(value) == size
+        and all(isinstance(item, (str, bytes)) for item in value)
+    )
 
 
 def move_to(value: Any, device: torch.device, *, non_blocking: bool = False) -> Any:

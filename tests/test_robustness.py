@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +159,7 @@ def test_a_truncated_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
 
 # -- fuzzed batch splitting ------------------------------------------------------------------
 
-leaves = st.sampled_from(["tensor", "scalar", "string", "none"])
+leaves = st.sampled_from(["tensor", "scalar", "string", "texts", "none"])
 
 
 @st.composite
@@ -169,6 +170,8 @@ def batches(draw: Any) -> tuple[Any, int]:
         if kind == "tensor":
             width = draw(st.integers(1, 3))
             return torch.arange(size * width, dtype=torch.float32).reshape(size, width)
+        if kind == "texts":  # a text field, one string an item, as default_collate makes it
+            return [f"item {i}" for i in range(size)]
         return {"scalar": torch.tensor(3.0), "string": "meta", "none": None}[kind]
 
     shape = draw(
@@ -196,12 +199,19 @@ def batches(draw: Any) -> tuple[Any, int]:
     return build(shape), size
 
 
-def flat(value: Any) -> list[Any]:
-    if isinstance(value, dict):
-        return [x for key in sorted(value) for x in flat(value[key])]
-    if isinstance(value, (tuple, list)):
-        return [x for child in value for x in flat(child)]
-    return [value]
+def paired_leaves(batch: Any, shards: list[Any], size: int) -> Iterator[tuple[Any, list[Any]]]:
+    """Each leaf of a batch of ``size`` items (a text field, see ``split_batch``, is one) with
+    what each shard holds in its place."""
+    if isinstance(batch, dict):
+        for key in batch:
+            yield from paired_leaves(batch[key], [shard[key] for shard in shards], size)
+    elif isinstance(batch, (tuple, list)) and not (
+        len(batch) == size and all(isinstance(child, str) for child in batch)
+    ):
+        for index, child in enumerate(batch):
+            yield from paired_leaves(child, [shard[index] for shard in shards], size)
+    else:
+        yield batch, shards
 
 
 @settings(max_examples=200, deadline=None)
@@ -213,10 +223,12 @@ def test_splitting_any_batch_keeps_every_item_once(case: tuple[Any, int], parts:
     assert sum(counts) == size
     assert max(counts) - min(counts) <= 1
     assert counts == sorted(counts, reverse=True)  # the larger shards first, as tensor_split
-    for position, original in enumerate(flat(batch)):
-        pieces = [flat(shard)[position] for shard in shards]
+    for original, pieces in paired_leaves(batch, shards, size):
         if isinstance(original, torch.Tensor) and original.dim() > 0:
             assert torch.equal(torch.cat(pieces), original)
+        elif isinstance(original, (tuple, list)):  # a text field: split with the items
+            assert [len(piece) for piece in pieces] == counts
+            assert [text for piece in pieces for text in piece] == list(original)
         else:
             assert all(piece is original for piece in pieces)  # handed to every shard as is
 
