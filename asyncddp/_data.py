@@ -75,11 +75,29 @@ def items_in(batch: object) -> int:
             f"{_describe(batch)}. Batches are tensors, or tuples, lists and dicts of tensors"
         )
     if len(sizes) > 1:
+        hint = (
+            ". If a tuple or list in it holds one tensor per item (as collate_fn=lambda items: "
+            "tuple(zip(*items)) makes), it has no batch dimension: stack the items into tensors"
+            if _holds_tensor_runs(batch)
+            else ""
+        )
         raise DataError(
             f"the tensors of a batch must share their size along dim 0 (the batch dimension); "
-            f"got sizes {_sizes_in_order(batch)} in {_describe(batch)}"
+            f"got sizes {_sizes_in_order(batch)} in {_describe(batch)}{hint}"
         )
     return sizes.pop()
+
+
+def _holds_tensor_runs(value: object) -> bool:
+    """Whether ``value`` is or holds a tuple or list of more than two tensors alone (a batch's
+    fields are rarely so many, items often are)."""
+    if isinstance(value, Mapping):
+        return any(_holds_tensor_runs(item) for item in value.values())
+    if isinstance(value, (tuple, list)):
+        if len(value) > 2 and all(isinstance(item, torch.Tensor) for item in value):
+            return True
+        return any(_holds_tensor_runs(item) for item in value)
+    return False
 
 
 def check_batch(batch: object, data: object, name: str) -> int:

@@ -40,6 +40,19 @@ def test_a_batch_whose_tensors_differ_in_dim_0_names_their_sizes_in_order() -> N
         items_in(batch)
 
 
+def test_a_batch_of_per_item_tensors_is_told_to_stack_them() -> None:
+    from asyncddp import DataError
+    from asyncddp._data import items_in
+
+    images = tuple(torch.zeros(3, 8, 8) for _ in range(4))  # collate_fn=tuple(zip(*items))
+    labels = tuple(torch.zeros(1) for _ in range(4))
+    with pytest.raises(DataError, match=r"one tensor per item .* stack the items into tensors"):
+        items_in((images, labels))
+    with pytest.raises(DataError) as caught:
+        items_in((torch.zeros(4, 2), torch.zeros(3)))  # fields, not items: no hint
+    assert "per item" not in str(caught.value)
+
+
 # -- where the data is read ----------------------------------------------------------------------
 
 
