@@ -119,7 +119,8 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     """Split ``batch`` along dim 0 into ``parts`` shards, as even as can be.
 
     Shard sizes differ by one at most; when the batch has fewer items than ``parts``, the last
-    shards are empty (0 items). The shards are views: nothing is copied. A list or tuple of
+    shards are empty (0 items). The shards are views (a sparse COO tensor's are copies). A
+    sparse tensor of another layout is refused (:class:`DataError`). A list or tuple of
     strings (or bytes) as long as the batch is split with it: one per item, as
     ``default_collate`` makes of a text field. Any other value goes whole to every shard.
     """
@@ -137,7 +138,17 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
 
 def _slice(value: Any, start: int, stop: int, size: int) -> Any:
     if isinstance(value, torch.Tensor):
-        return value[start:stop] if _splittable(value) else value
+        if not _splittable(value):
+            return value
+        if value.layout == torch.strided:
+            return value[start:stop]
+        if value.layout == torch.sparse_coo:  # no views of a sparse tensor: a copy
+            return value.narrow_copy(0, start, stop - start)
+        raise DataError(
+            f"a tensor of layout {value.layout} in the batch cannot be split along dim 0 "
+            "across the devices: make it a sparse COO tensor (.to_sparse()) or a dense one, "
+            "or give each device whole batches (split_batches=False)"
+        )
     if isinstance(value, Mapping):
         return type(value)({key: _slice(item, start, stop, size) for key, item in value.items()})  # type: ignore[call-arg]
     if isinstance(value, (tuple, list)) and _per_item_text(value, size):

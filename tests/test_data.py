@@ -53,6 +53,22 @@ def test_a_batch_of_per_item_tensors_is_told_to_stack_them() -> None:
     assert "per item" not in str(caught.value)
 
 
+def test_a_sparse_coo_tensor_in_a_batch_is_split_and_other_sparse_layouts_are_refused() -> None:
+    from asyncddp import DataError
+    from asyncddp._data import split_batch
+
+    dense = torch.eye(5)
+    shards = split_batch((torch.arange(5), dense.to_sparse()), 2)
+    assert [shard[1].to_dense().tolist() for shard in shards] == [
+        dense[:3].tolist(),
+        dense[3:].tolist(),
+    ]
+    with pytest.warns(UserWarning, match="Sparse CSR tensor support is in beta"):
+        csr = dense.to_sparse_csr()  # torch's own warning
+    with pytest.raises(DataError, match=r"layout torch.sparse_csr .*split_batches=False"):
+        split_batch((torch.arange(5), csr), 2)
+
+
 # -- where the data is read ----------------------------------------------------------------------
 
 
