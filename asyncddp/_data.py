@@ -1,8 +1,9 @@
 """Batches and shards: counting items, splitting batches across devices, moving them there.
 
 A batch is a tensor, or a tuple, list or dict of them (nested), with the items along dim 0, as
-``torch.utils.data.default_collate`` makes them. Tensors with a batch dimension are split; other
-leaves (numbers, strings, 0-dim tensors) are handed to every shard as they are.
+``torch.utils.data.default_collate`` makes them. Tensors with a batch dimension are split, and
+so are text fields (a list or tuple of one string an item, as ``default_collate`` makes of
+strings); other leaves (numbers, strings, 0-dim tensors) are handed to every shard as they are.
 """
 
 from __future__ import annotations
