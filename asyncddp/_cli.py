@@ -21,14 +21,20 @@ __all__ = ["main"]
 
 def parse_devices(text: str) -> DeviceSpec:
     """Read ``--devices``: ``auto`` (every GPU, or 2 CPU workers), a count, or names."""
-    text = text.strip()
-    if text == "auto":
+    parts = [part.strip() for part in text.split(",")]
+    if "," in text and len([part for part in parts if part]) > 1:
+        # A list, as in the Python API: a number is a CUDA index there ([0, 2]).
+        return [_number_or_name(part) for part in parts if part]
+    text = next((part for part in parts if part), "")
+    if text.lower() == "auto":
         return "cuda" if torch.cuda.is_available() else cpu_devices(2)
-    if text.isdecimal():
-        return int(text)
-    if "," in text:
-        return [part.strip() for part in text.split(",") if part.strip()]
-    return text
+    return _number_or_name(text)
+
+
+def _number_or_name(text: str) -> int | str:
+    """A whole number (a sign allowed, so that -1 is refused as a count) as an int."""
+    digits = text[1:] if text[:1] in "+-" else text
+    return int(text) if digits.isascii() and digits.isdecimal() else text
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ is how tests, CI and notebooks without a GPU run the real multi-device code path
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -72,12 +73,14 @@ def cpu_devices(n: int) -> tuple[Device, ...]:
 
     Raises:
         DeviceTypeError: ``n`` is not an int.
-        DeviceError: ``n`` is smaller than 1.
+        DeviceError: ``n`` is smaller than 1, or larger than 1024 (each device is a
+            thread).
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise DeviceTypeError(f"cpu_devices(n) takes an int, got {type(n).__name__} {n!r}")
     if n < 1:
         raise DeviceError(f"cpu_devices(n) needs n >= 1, got {n}")
+    _check_cpu_count(n)
     cpu = torch.device("cpu")
     return tuple(Device(index=i, torch_device=cpu, name=f"cpu#{i}") for i in range(n))
 
@@ -90,8 +93,8 @@ def resolve_devices(spec: DeviceSpec) -> tuple[Device, ...]:
     - ``"auto"``: every visible CUDA GPU, or the CPU when there is none.
     - ``"cuda"``: every visible CUDA GPU. ``"cpu"``: the CPU, one worker.
     - ``"cuda:N"``, ``torch.device("cuda", N)``: that GPU. ``"cpu#N"``: a virtual CPU device.
-    - an int ``n``: ``n`` devices: the first ``n`` GPUs, or ``n`` virtual CPU devices when no GPU
-      is visible, so that a script written for GPUs also runs on a laptop.
+    - an int ``n``: ``n`` devices: the first ``n`` GPUs, or ``n`` virtual CPU devices (at most
+      1024) when no GPU is visible, so that a script written for GPUs also runs on a laptop.
     - a sequence of the above, where an int means a CUDA index (``[0, 2]`` is ``cuda:0`` and
       ``cuda:2``), as in Lightning.
     - :class:`Device` values, for example from :func:`cpu_devices`.
@@ -199,6 +202,7 @@ def _count(n: int) -> list[tuple[torch.device, str]]:
         raise DeviceError(f"asked for {n} devices; give at least 1")
     count = _cuda_device_count()
     if not count:
+        _check_cpu_count(n)
         cpu = torch.device("cpu")
         return [(cpu, f"cpu#{i}") for i in range(n)]
     if n > count:
@@ -206,6 +210,18 @@ def _count(n: int) -> list[tuple[torch.device, str]]:
             f"asked for {n} CUDA devices, but only {count} are visible; give devices={count}"
         )
     return _all_cuda(n)
+
+
+_MAX_CPU_DEVICES = 1024
+"""The most virtual CPU devices asked for by a count: each is a thread of its own."""
+
+
+def _check_cpu_count(n: int) -> None:
+    if n > _MAX_CPU_DEVICES:
+        raise DeviceError(
+            f"asked for {n} CPU devices; at most {_MAX_CPU_DEVICES}, each a worker thread "
+            f"(this machine has {os.cpu_count() or 'an unknown number of'} cores)"
+        )
 
 
 def _all_cuda(count: int) -> list[tuple[torch.device, str]]:

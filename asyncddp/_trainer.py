@@ -728,7 +728,7 @@ class Trainer(Resumable):
 def _rank_devices(devices: DeviceSpec) -> DeviceSpec:
     """``"auto"`` in a process group with GPUs: this process's GPU, ``cuda:LOCAL_RANK`` (modulo
     the visible GPUs)."""
-    auto = isinstance(devices, str) and devices == "auto"
+    auto = isinstance(devices, str) and devices.strip().lower() == "auto"  # as _devices reads it
     # (The GPU count is looked up in _devices, so that tests can fake GPUs.)
     if auto and distributed.is_initialized() and _devices._cuda_device_count():
         return f"cuda:{distributed._local_gpu()}"  # the GPU init() made current

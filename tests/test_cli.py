@@ -90,18 +90,39 @@ def test_devices_command_says_a_trainer_refuses_gpus_and_the_cpu_together(
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("3", 3), ("cpu", "cpu"), ("cuda:0,cuda:2", ["cuda:0", "cuda:2"]), (" cuda ", "cuda")],
+    [
+        ("3", 3),
+        ("cpu", "cpu"),
+        ("cuda:0,cuda:2", ["cuda:0", "cuda:2"]),
+        (" cuda ", "cuda"),
+        ("0,2", [0, 2]),  # CUDA indices, as devices=[0, 2] in Python
+        ("-1", -1),  # a count, refused as one
+        ("cpu#1,", "cpu#1"),  # a list of one is its one item
+        ("\u0663", "\u0663"),  # an Arabic-Indic three: ASCII digits only, as in 'cpu#N'
+    ],
 )
 def test_parse_devices(text: str, expected: object) -> None:
     assert parse_devices(text) == expected
 
 
-def test_auto_is_two_cpu_workers_without_a_gpu() -> None:
-    spec = parse_devices("auto")
+@pytest.mark.parametrize("text", ["auto", "AUTO", " Auto ", "auto,"])
+def test_auto_is_two_cpu_workers_without_a_gpu(text: str) -> None:
+    # In any case, as every other name: AUTO used to be read as 'cpu', one worker.
+    spec = parse_devices(text)
     if isinstance(spec, str):
         assert spec == "cuda"
     else:
         assert [d.name for d in asyncddp.resolve_devices(spec)] == ["cpu#0", "cpu#1"]
+
+
+def test_a_count_below_one_or_past_the_cpu_limit_is_a_clear_error_and_exit_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["devices", "-1"]) == 2
+    assert "asked for -1 devices; give at least 1" in capsys.readouterr().err
+    # It used to build a list of a billion devices, and end in a MemoryError.
+    assert main(["devices", "1000000000"]) == 2
+    assert "asked for 1000000000 CPU devices; at most 1024" in capsys.readouterr().err
 
 
 def test_the_demo_without_scikit_learn_says_what_to_install(

@@ -132,6 +132,8 @@ def test_wrong_types_raise_device_type_error(spec: object) -> None:
     [
         (0, DeviceError),
         (-2, DeviceError),
+        (1025, DeviceError),  # a thread each: at most 1024
+        (10**9, DeviceError),  # not a list of a billion, built before any check
         (2.0, DeviceTypeError),
         ("2", DeviceTypeError),
         (True, DeviceTypeError),

@@ -833,6 +833,7 @@ def test_auto_devices_in_a_group_are_the_gpu_init_made_current(
     monkeypatch.setattr(asyncddp.distributed, "is_initialized", lambda: True)
     torchrun_env(monkeypatch, 2, {"RANK": 3, "WORLD_SIZE": 4, "LOCAL_RANK": 3})
     assert _rank_devices("auto") == "cuda:1" == f"cuda:{asyncddp.distributed._local_gpu()}"
+    assert _rank_devices(" AUTO") == "cuda:1"  # read as resolve_devices reads it
     assert _rank_devices("cpu") == "cpu"
     torchrun_env(monkeypatch, 0, {"RANK": 3, "WORLD_SIZE": 4, "LOCAL_RANK": 3})
     assert _rank_devices("auto") == "auto"  # no GPU: resolved as anywhere else
