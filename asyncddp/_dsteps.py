@@ -33,7 +33,7 @@ from ._comm import Comm, Global
 from ._exceptions import ConfigurationError, WorkerFailedError
 from ._jobs import ExchangeWork, Sums, TrainWork, exchange_gradients
 from ._loop import current_waker
-from ._ranks import rank_view
+from ._ranks import rank_view, set_sampler_epoch
 from ._steps import Steps, Window, phase_from_jobs, shard_items
 from ._sync import bucket_layout
 from ._worker import WorkerContext
@@ -217,9 +217,11 @@ class DistributedSteps(Steps):
         raise NotImplementedError
 
     def _rank_data(self, data: Iterable[Any], epoch: int) -> Iterable[Any]:
-        """This rank's part of ``data`` (all of it outside a process group)."""
+        """This rank's part of ``data`` (all of it outside a process group), its samplers told
+        the epoch."""
         comm = self._comm
         if comm is None:
+            set_sampler_epoch(data, epoch)
             return data
         seed = (self._data_seed or 0) + epoch
         return rank_view(data, comm.rank, comm.world_size, seed, epoch)

@@ -9,7 +9,10 @@ done on its batch sampler, so the batches of other ranks are never loaded; its f
 drawn under a seed shared by the ranks (and changed every epoch), so a shuffling loader draws the
 same order on every rank. Any other iterable is iterated in full on every rank, the other ranks'
 batches skipped. A ``DataLoader`` whose sampler is a ``DistributedSampler`` is sharded already:
-it is used as it is, its ``set_epoch`` called before each epoch.
+it is used as it is.
+
+Before each epoch (in one process too) :func:`set_sampler_epoch` tells the loader's samplers the
+epoch, as Lightning does, so that a sampler that shuffles by epoch draws a new order each epoch.
 """
 
 from __future__ import annotations
@@ -25,7 +28,13 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sa
 from ._data import is_batch_list, items_in, items_total
 from ._exceptions import DataError
 
-__all__ = ["in_memory", "rank_items_total", "rank_items_total_off_loop", "rank_view"]
+__all__ = [
+    "in_memory",
+    "rank_items_total",
+    "rank_items_total_off_loop",
+    "rank_view",
+    "set_sampler_epoch",
+]
 
 #: A list of batches longer than this is counted on a thread (see
 #: :func:`rank_items_total_off_loop`).
@@ -43,9 +52,9 @@ def rank_view(
     data: Iterable[Any], rank: int, world_size: int, seed: int, epoch: int = 0
 ) -> Iterable[Any]:
     """Rank ``rank``'s part of ``data``, for epoch ``epoch`` (``seed`` is the same on every
-    rank)."""
+    rank); its samplers are told the epoch (:func:`set_sampler_epoch`)."""
+    set_sampler_epoch(data, epoch)
     if isinstance(data, DataLoader) and isinstance(data.sampler, DistributedSampler):
-        data.sampler.set_epoch(epoch)  # a new order each epoch, as its docs ask
         return data  # sharded by the user already
     if world_size == 1:
         return data
@@ -57,6 +66,27 @@ def rank_view(
         if plain:  # batch_size=None: each of the dataset's items is a batch, drawn by the sampler
             return _restride(data, _StridedBatchSampler(data.sampler, rank, world_size, seed))
     return _Strided(data, rank, world_size, seed)
+
+
+def set_sampler_epoch(data: Iterable[Any], epoch: int) -> None:
+    """Call ``set_epoch(epoch)`` on each of ``data``'s sampler, batch sampler and the batch
+    sampler's sampler that has one, once each: a ``DistributedSampler`` (or any sampler that
+    shuffles by epoch) then draws a new order each epoch, as its docs ask, and the same one when
+    an epoch is continued."""
+    batch_sampler = getattr(data, "batch_sampler", None)
+    candidates = [
+        getattr(data, "sampler", None),
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+    ]
+    told: list[object] = []
+    for sampler in candidates:
+        if sampler is None or any(sampler is other for other in told):
+            continue
+        told.append(sampler)
+        set_epoch = getattr(sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
 
 
 async def rank_items_total_off_loop(data: Iterable[Any], rank: int, world_size: int) -> int | None:

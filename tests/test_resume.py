@@ -1,0 +1,152 @@
+"""Continuing an epoch: after stop(), after a cancellation, or from a checkpoint in a new
+trainer, a run must end as the uninterrupted run does, every sample trained once an epoch."""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
+
+from asyncddp import StepEnded, Trainer, cpu_devices
+
+pytestmark = pytest.mark.anyio
+
+SAMPLES = 16
+FEATURES = 4
+SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+
+
+class Numbered(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+    """Fixed samples that carry their index, so that a step can tell which it trained on."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(42)
+        self.inputs = torch.randn(SAMPLES, FEATURES, generator=generator)
+        self.targets = self.inputs.sum(1, keepdim=True)
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.inputs[index], self.targets[index], torch.tensor(index)
+
+
+class Recorder:
+    """The training step, noting the samples of each epoch in the order trained."""
+
+    def __init__(self) -> None:
+        self.trainer: Trainer | None = None
+        self.seen: dict[int, list[int]] = collections.defaultdict(list)
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        assert self.trainer is not None
+        inputs, targets, indices = batch
+        self.seen[self.trainer.epoch].extend(indices.tolist())
+        return F.mse_loss(model(inputs), targets)
+
+
+def make_trainer(recorder: Recorder, devices: int = 1) -> Trainer:
+    torch.manual_seed(0)
+    model = nn.Linear(FEATURES, 1)
+    trainer = Trainer(model, SGD, recorder, devices=cpu_devices(devices), progress_bar=False)
+    recorder.trainer = trainer
+    return trainer
+
+
+def parameters(trainer: Trainer) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+
+
+async def fit_until_stopped(trainer: Trainer, data: Any, *, epochs: int, at_step: int) -> None:
+    """``fit``, stopped once step ``at_step`` ends."""
+    stream = trainer.events()
+
+    async def stopper() -> None:
+        async for event in stream:
+            if isinstance(event, StepEnded) and event.step == at_step:
+                trainer.stop("test")
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(stopper)
+        result = await trainer.fit(data, epochs=epochs)
+    assert result.stopped
+
+
+def each_once(seen: dict[int, list[int]], epochs: int) -> bool:
+    return all(sorted(seen[epoch]) == list(range(SAMPLES)) for epoch in range(epochs))
+
+
+# -- set_epoch ---------------------------------------------------------------------------------
+
+
+class EpochSampler(Sampler[int]):
+    """A sampler whose order depends on the epoch it is told (as DistributedSampler's does)."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.calls: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.calls.append(epoch)
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __iter__(self) -> Iterator[int]:
+        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(self.epoch))
+        return iter(order.tolist())
+
+
+class EpochBatchSampler(BatchSampler):
+    def __init__(self, sampler: Sampler[int]) -> None:
+        super().__init__(sampler, batch_size=4, drop_last=False)
+        self.calls: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.calls.append(epoch)
+
+
+async def test_a_sampler_s_set_epoch_is_called_before_each_epoch_in_one_process() -> None:
+    sampler = EpochSampler()
+    recorder = Recorder()
+    trainer = make_trainer(recorder)
+    await trainer.fit(DataLoader(Numbered(), batch_size=4, sampler=sampler), epochs=3)
+    assert sampler.calls == [0, 1, 2]
+    for epoch in range(3):
+        sampler.epoch = epoch
+        assert recorder.seen[epoch] == list(sampler)
+    assert recorder.seen[0] != recorder.seen[1]
+
+
+async def test_a_batch_sampler_and_its_sampler_each_get_the_epoch_once() -> None:
+    sampler = EpochSampler()
+    batches = EpochBatchSampler(sampler)
+    trainer = make_trainer(Recorder())
+    await trainer.fit(DataLoader(Numbered(), batch_sampler=batches), epochs=2)
+    assert batches.calls == [0, 1]
+    assert sampler.calls == [0, 1]
+
+
+async def test_a_continued_epoch_gets_the_same_epoch_number_and_order() -> None:
+    sampler = EpochSampler()
+    loader = DataLoader(Numbered(), batch_size=4, sampler=sampler)
+    uninterrupted = make_trainer(Recorder())
+    await uninterrupted.fit(loader, epochs=2)
+    sampler.calls.clear()
+
+    recorder = Recorder()
+    trainer = make_trainer(recorder)
+    await fit_until_stopped(trainer, loader, epochs=2, at_step=5)  # in epoch 1, of 4 steps
+    await trainer.fit(loader, epochs=2)
+    assert sampler.calls == [0, 1, 1]
+    assert each_once(recorder.seen, 2)
+    torch.testing.assert_close(parameters(trainer), parameters(uninterrupted))
