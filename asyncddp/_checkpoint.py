@@ -20,7 +20,16 @@ import torch
 
 from ._exceptions import CheckpointError
 
-__all__ = ["capture_rng", "checkpoint_name", "latest_checkpoint", "load", "restore_rng", "save"]
+__all__ = [
+    "capture_loader_rng",
+    "capture_rng",
+    "checkpoint_name",
+    "latest_checkpoint",
+    "load",
+    "restore_loader_rng",
+    "restore_rng",
+    "save",
+]
 
 FORMAT = "asyncddp-checkpoint"
 VERSION = 1
@@ -89,8 +98,20 @@ def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
     return max(found)[2] if found else None
 
 
-def capture_rng() -> dict[str, Any]:
-    """The state of every random number generator training may draw from."""
+#: Where a loader keeps generators of its own: ``DataLoader(generator=...)`` (which draws the
+#: workers' base seed, and which ``shuffle=True`` hands to its ``RandomSampler``), or a sampler's.
+_LOADER_GENERATORS = (
+    ("generator",),
+    ("sampler", "generator"),
+    ("batch_sampler", "generator"),
+    ("batch_sampler", "sampler", "generator"),
+)
+
+
+def capture_rng(data: object = None) -> dict[str, Any]:
+    """The state of every random number generator training may draw from: torch's, Python's
+    and NumPy's global ones, and those ``data`` (a loader) owns (see
+    :func:`capture_loader_rng`)."""
     numpy_state = cast(tuple[Any, ...], np.random.get_state(legacy=True))
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -100,11 +121,14 @@ def capture_rng() -> dict[str, Any]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
+    if data is not None:
+        state["loaders"] = capture_loader_rng(data)
     return state
 
 
-def restore_rng(state: dict[str, Any]) -> None:
-    """Put every generator back in the state :func:`capture_rng` saw."""
+def restore_rng(state: dict[str, Any], data: object = None) -> None:
+    """Put every generator back in the state :func:`capture_rng` saw, ``data``'s own too
+    (a state saved without them, by an earlier version, leaves them as they are)."""
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
@@ -112,6 +136,36 @@ def restore_rng(state: dict[str, Any]) -> None:
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    if data is not None and state.get("loaders"):
+        restore_loader_rng(data, state["loaders"])
+
+
+def capture_loader_rng(data: object) -> dict[str, torch.Tensor]:
+    """The states of the ``torch.Generator`` objects ``data`` (a loader) owns, by where they
+    are: ``"generator"``, ``"sampler.generator"``, ``"batch_sampler.generator"`` and
+    ``"batch_sampler.sampler.generator"``. A shuffling loader given a generator draws its order
+    from it, not from torch's global generator."""
+    return {
+        ".".join(path): generator.get_state()
+        for path in _LOADER_GENERATORS
+        if isinstance(generator := _find(data, path), torch.Generator)
+    }
+
+
+def restore_loader_rng(data: object, states: dict[str, torch.Tensor]) -> None:
+    """Put ``data``'s generators back in the states :func:`capture_loader_rng` saw (by where
+    they are; a generator ``data`` has at no saved place is left as it is)."""
+    for path in _LOADER_GENERATORS:
+        state = states.get(".".join(path))
+        generator = _find(data, path)
+        if state is not None and isinstance(generator, torch.Generator):
+            generator.set_state(state)
+
+
+def _find(data: object, path: tuple[str, ...]) -> object:
+    for name in path:
+        data = getattr(data, name, None)
+    return data
 
 
 def _fsync_folder(folder: Path) -> None:

@@ -63,6 +63,8 @@ class Epochs(DistributedSteps):
     check_finite: bool
     _batches_done: int
     _epoch_rng: dict[str, Any] | None
+    _loader_rng: dict[str, Any] | None
+    _resumed_loader_rng: dict[str, Any] | None
     _epoch_sums: Sums
     _epoch_items: dict[str, int]
     _epoch_seconds: float
@@ -118,17 +120,23 @@ class Epochs(DistributedSteps):
         self._batches_world = world
         if skip and self._epoch_rng is not None:
             # Continue mid-epoch: replay the epoch's start so that the loader yields the same
-            # order (a shuffling DataLoader draws its seed in iter()), then skip what was done.
+            # order (a shuffling DataLoader draws its seed in iter(), from torch's generator or
+            # from one of its own), then skip what was done.
             resume_rng = _checkpoint.capture_rng()
-            _checkpoint.restore_rng(self._epoch_rng)
+            _checkpoint.restore_rng(self._epoch_rng, data)
         elif self._epoch_rng is not None:
             # The epoch started before and none of its batches was trained on (a fit cancelled
             # in its first step, or a checkpoint from then): start it again as it started, the
             # generators included, whatever the loader of the cancelled start drew since.
-            _checkpoint.restore_rng(self._epoch_rng)
+            _checkpoint.restore_rng(self._epoch_rng, data)
         else:
-            self._epoch_rng = _checkpoint.capture_rng()
+            if self._resumed_loader_rng is not None:
+                # From a checkpoint written between epochs: a new loader's generators go on
+                # from where the saved run's were, as the global generators do.
+                _checkpoint.restore_loader_rng(data, self._resumed_loader_rng)
+            self._epoch_rng = _checkpoint.capture_rng(data)
             skip = 0
+        self._resumed_loader_rng = None
         tracked = [d.name for d in self.devices] + [
             name for name in self._epoch_items if name not in {d.name for d in self.devices}
         ]  # a device dropped earlier in the epoch keeps its count
@@ -188,6 +196,7 @@ class Epochs(DistributedSteps):
             self._epoch_seconds = time.perf_counter() - started
         if not exhausted:
             return False
+        self._loader_rng = _checkpoint.capture_loader_rng(data)  # for a checkpoint from here
         sums = self._epoch_sums  # across ranks: a rank may have no batch of its own
         if (sums.items == 0 and not sums.counted) if self._distributed() else (seen == 0):
             raise DataError("train_data yielded no batches; give at least one batch per epoch")

@@ -2,8 +2,10 @@
 
 A checkpoint holds the first replica's model, optimizer and LR scheduler state, and the
 *position*: epoch, step, batches done in the epoch, the epoch's loss sums and item counts, the
-RNG state at the epoch's start and now. Resuming in mid-epoch replays the epoch's start, so a
-shuffling ``DataLoader`` draws the same order, and skips the batches already trained on.
+RNG state at the epoch's start (the generators the loader owns included) and now, and the
+states of the loader's generators when the last epoch ended. Resuming in mid-epoch replays the
+epoch's start, so a shuffling ``DataLoader`` draws the same order, and skips the batches already
+trained on.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Resumable(Epochs):
             "global_step": self.global_step,
             "batches_done": self._batches_done,
             "epoch_rng": self._epoch_rng,
+            "loader_rng": self._loader_rng,
             "epoch_trained": self._epoch_trained,
             "epoch_sums": _sums_dict(self._epoch_sums),
             "epoch_items": dict(self._epoch_items),
@@ -64,6 +67,9 @@ class Resumable(Epochs):
         self.global_step = int(state["global_step"])
         self._batches_done = int(state["batches_done"])
         self._epoch_rng = state.get("epoch_rng")
+        # Absent from the checkpoints of earlier versions: the loader's generators stay as the
+        # loader has them.
+        self._loader_rng = self._resumed_loader_rng = state.get("loader_rng")
         self._epoch_trained = bool(state.get("epoch_trained", False))
         self._epoch_sums = Sums(**state["epoch_sums"]) if state.get("epoch_sums") else Sums()
         self._epoch_items = dict(state.get("epoch_items") or {})

@@ -293,6 +293,10 @@ class Trainer(Resumable):
         # Where training is inside the current epoch; saved in checkpoints.
         self._batches_done = 0  # batches of the epoch already trained on
         self._epoch_rng: dict[str, Any] | None = None  # the RNG state the epoch started with
+        # The states of the loader's own generators when the last epoch ended (saved in
+        # checkpoints), and those a checkpoint loaded, put into the loader the next epoch starts.
+        self._loader_rng: dict[str, Any] | None = None
+        self._resumed_loader_rng: dict[str, Any] | None = None
         self._epoch_sums = Sums()  # loss and metric sums of the epoch so far
         self._items_ref: float | None = None  # see _reference_count
         self._epoch_items: dict[str, int] = {}  # items of the epoch so far, by device

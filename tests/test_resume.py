@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler
 
 from asyncddp import StepEnded, Trainer, cpu_devices
 
@@ -150,3 +150,64 @@ async def test_a_continued_epoch_gets_the_same_epoch_number_and_order() -> None:
     assert sampler.calls == [0, 1, 1]
     assert each_once(recorder.seen, 2)
     torch.testing.assert_close(parameters(trainer), parameters(uninterrupted))
+
+
+# -- a loader's own generator ------------------------------------------------------------------
+
+
+def generator_loader(kind: str) -> DataLoader[Any]:
+    """A shuffling loader that draws from a generator of its own, not from torch's global one:
+    the loader's (the PyTorch reproducibility recipe), or its sampler's."""
+    generator = torch.Generator().manual_seed(7)
+    if kind == "loader":
+        return DataLoader(Numbered(), batch_size=2, shuffle=True, generator=generator)
+    sampler = RandomSampler(Numbered(), generator=generator)
+    return DataLoader(Numbered(), batch_size=2, sampler=sampler)
+
+
+@pytest.mark.parametrize("kind", ["loader", "sampler"])
+async def test_an_epoch_continued_with_a_loader_s_own_generator_keeps_its_order(
+    kind: str,
+) -> None:
+    uninterrupted = make_trainer(Recorder())
+    await uninterrupted.fit(generator_loader(kind), epochs=2)
+
+    recorder = Recorder()
+    trainer = make_trainer(recorder)
+    loader = generator_loader(kind)
+    await fit_until_stopped(trainer, loader, epochs=2, at_step=11)  # in epoch 1, of 8 steps
+    await trainer.fit(loader, epochs=2)
+    assert each_once(recorder.seen, 2)
+    torch.testing.assert_close(parameters(trainer), parameters(uninterrupted))
+
+
+@pytest.mark.parametrize("kind", ["loader", "sampler"])
+@pytest.mark.parametrize("at_step", [11, 7])  # in mid-epoch 1; at the end of epoch 0
+async def test_a_checkpoint_resumes_a_loader_s_own_generator_where_it_was(
+    kind: str, at_step: int, tmp_path: Any
+) -> None:
+    uninterrupted = make_trainer(Recorder())
+    await uninterrupted.fit(generator_loader(kind), epochs=3)
+
+    first = make_trainer(Recorder())
+    await fit_until_stopped(first, generator_loader(kind), epochs=3, at_step=at_step)
+    path = await first.save_checkpoint(tmp_path / "stopped.ckpt")
+    recorder = Recorder()
+    resumed = make_trainer(recorder)  # with a new loader, its generator seeded as at the start
+    await resumed.fit(generator_loader(kind), epochs=3, resume=path)
+    torch.testing.assert_close(parameters(resumed), parameters(uninterrupted))
+    assert sorted(recorder.seen[2]) == list(range(SAMPLES))
+
+
+async def test_a_checkpoint_without_loader_generator_states_still_resumes(tmp_path: Any) -> None:
+    # As written by earlier versions, which kept only the global generators.
+    first = make_trainer(Recorder())
+    await fit_until_stopped(first, generator_loader("loader"), epochs=2, at_step=11)
+    path = await first.save_checkpoint(tmp_path / "stopped.ckpt")
+    state = torch.load(path, weights_only=True)
+    state["epoch_rng"].pop("loaders", None)
+    state.pop("loader_rng", None)
+    torch.save(state, path)
+    resumed = make_trainer(Recorder())
+    result = await resumed.fit(generator_loader("loader"), epochs=2, resume=path)
+    assert result.epoch == 2
