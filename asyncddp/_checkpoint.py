@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 from ._exceptions import CheckpointError
 
@@ -24,6 +25,7 @@ __all__ = [
     "capture_loader_rng",
     "capture_rng",
     "checkpoint_name",
+    "draws_base_seed",
     "latest_checkpoint",
     "load",
     "restore_loader_rng",
@@ -160,6 +162,17 @@ def restore_loader_rng(data: object, states: dict[str, torch.Tensor]) -> None:
         generator = _find(data, path)
         if state is not None and isinstance(generator, torch.Generator):
             generator.set_state(state)
+
+
+def draws_base_seed(data: object) -> bool | None:
+    """Whether ``iter(data)`` makes a new ``DataLoader`` iterator, which draws its workers' base
+    seed (from the loader's generator, or torch's) before the sampler draws the order; None for
+    data that is not a ``DataLoader``. With persistent workers, only the loader's first
+    ``iter()`` makes one; later ones reset it and draw only the order."""
+    if not isinstance(data, DataLoader):
+        return None
+    persistent = data.persistent_workers and data.num_workers > 0
+    return not (persistent and data._iterator is not None)
 
 
 def _find(data: object, path: tuple[str, ...]) -> object:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import torch
 from tqdm.auto import tqdm
 
 from . import _checkpoint, _comm
@@ -118,23 +119,36 @@ class Epochs(DistributedSteps):
                 "from a checkpoint written at the end of an epoch"
             )
         self._batches_world = world
-        if skip and self._epoch_rng is not None:
-            # Continue mid-epoch: replay the epoch's start so that the loader yields the same
-            # order (a shuffling DataLoader draws its seed in iter(), from torch's generator or
-            # from one of its own), then skip what was done.
-            resume_rng = _checkpoint.capture_rng()
+        view = self._rank_data(data, epoch)
+        if self._epoch_rng is not None:
+            # Continue mid-epoch (``skip``): replay the epoch's start so that the loader yields
+            # the same order (a shuffling DataLoader draws its seed in iter(), from torch's
+            # generator or from one of its own), then skip what was done. Or, the epoch started
+            # before and none of its batches was trained on (a fit cancelled in its first step,
+            # or a checkpoint from then): start it again as it started, the generators
+            # included, whatever the loader of the cancelled start drew since.
+            if skip:
+                resume_rng = _checkpoint.capture_rng()
+            started_new = self._epoch_rng.get("new_iterator")  # absent from older checkpoints
+            if started_new is False and _checkpoint.draws_base_seed(view):
+                # The epoch's start reset a persistent-workers loader's iterator, which draws
+                # no base seed; this loader has none yet. Made now (its workers started), the
+                # replay's iter() resets it and draws as the epoch's start did.
+                await anyio.to_thread.run_sync(iter, view)
             _checkpoint.restore_rng(self._epoch_rng, data)
-        elif self._epoch_rng is not None:
-            # The epoch started before and none of its batches was trained on (a fit cancelled
-            # in its first step, or a checkpoint from then): start it again as it started, the
-            # generators included, whatever the loader of the cancelled start drew since.
-            _checkpoint.restore_rng(self._epoch_rng, data)
+            if started_new and _checkpoint.draws_base_seed(view) is False:
+                # The epoch's start made the loader's iterator, which drew its workers' base
+                # seed before the order; the replay's iter() only resets it: draw the seed's
+                # place, from where the loader drew it.
+                generator = getattr(view, "generator", None)  # None: torch's
+                torch.empty((), dtype=torch.int64).random_(generator=generator)
         else:
             if self._resumed_loader_rng is not None:
                 # From a checkpoint written between epochs: a new loader's generators go on
                 # from where the saved run's were, as the global generators do.
                 _checkpoint.restore_loader_rng(data, self._resumed_loader_rng)
             self._epoch_rng = _checkpoint.capture_rng(data)
+            self._epoch_rng["new_iterator"] = _checkpoint.draws_base_seed(view)
             skip = 0
         self._resumed_loader_rng = None
         tracked = [d.name for d in self.devices] + [
@@ -153,7 +167,7 @@ class Epochs(DistributedSteps):
 
         self._remember_iterator(data)
         try:
-            async with self._prefetcher(self._rank_data(data, epoch), "train_data") as batches:
+            async with self._prefetcher(view, "train_data") as batches:
                 async for batch in batches:
                     if resume_rng is not None:
                         _checkpoint.restore_rng(resume_rng)  # the loader has drawn its seed

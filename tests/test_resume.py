@@ -211,3 +211,51 @@ async def test_a_checkpoint_without_loader_generator_states_still_resumes(tmp_pa
     resumed = make_trainer(Recorder())
     result = await resumed.fit(generator_loader("loader"), epochs=2, resume=path)
     assert result.epoch == 2
+
+
+# -- persistent workers ------------------------------------------------------------------------
+
+
+def persistent_loader() -> DataLoader[Any]:
+    return DataLoader(
+        Numbered(), batch_size=2, shuffle=True, num_workers=1, persistent_workers=True
+    )
+
+
+async def test_an_epoch_continued_with_persistent_workers_trains_each_sample_once() -> None:
+    # The loader's first iter() draws its workers' base seed before the order's seed; a later
+    # one only the order's: the epoch's replay must draw as the epoch's start did.
+    torch.manual_seed(3)
+    uninterrupted = make_trainer(Recorder())
+    await uninterrupted.fit(persistent_loader(), epochs=2)
+
+    torch.manual_seed(3)
+    recorder = Recorder()
+    trainer = make_trainer(recorder)
+    loader = persistent_loader()
+    await fit_until_stopped(trainer, loader, epochs=2, at_step=3)  # in epoch 0, of 8 steps
+    await trainer.fit(loader, epochs=2)
+    assert each_once(recorder.seen, 2)
+    torch.testing.assert_close(parameters(trainer), parameters(uninterrupted))
+
+
+async def test_a_checkpoint_resumes_persistent_workers_with_the_epoch_s_order(
+    tmp_path: Any,
+) -> None:
+    # Stopped in epoch 1, whose iter() drew no base seed; resumed with a new loader, whose
+    # first iter() draws one.
+    torch.manual_seed(3)
+    uninterrupted = make_trainer(Recorder())
+    await uninterrupted.fit(persistent_loader(), epochs=2)
+
+    torch.manual_seed(3)
+    before = Recorder()
+    first = make_trainer(before)
+    await fit_until_stopped(first, persistent_loader(), epochs=2, at_step=11)
+    path = await first.save_checkpoint(tmp_path / "stopped.ckpt")
+    torch.manual_seed(999)
+    after = Recorder()
+    resumed = make_trainer(after)
+    await resumed.fit(persistent_loader(), epochs=2, resume=path)
+    assert sorted(before.seen[1] + after.seen[1]) == list(range(SAMPLES))
+    torch.testing.assert_close(parameters(resumed), parameters(uninterrupted))
