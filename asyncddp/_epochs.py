@@ -63,6 +63,8 @@ class Epochs(DistributedSteps):
     checkpoint_dir: Path | None
     check_finite: bool
     _batches_done: int
+    _batches_loaded: int | None  # by the epoch's loader when training stopped (None: unknown)
+    _loading: Prefetcher | None  # the epoch's loader, while it runs
     _epoch_rng: dict[str, Any] | None
     _loader_rng: dict[str, Any] | None
     _resumed_loader_rng: dict[str, Any] | None
@@ -97,17 +99,20 @@ class Epochs(DistributedSteps):
             self._window_locked = False
             self._step_lock.release()
 
-    def _prefetcher(self, data: Iterable[Any], name: str) -> Prefetcher:
+    def _prefetcher(self, data: Iterable[Any], name: str, **replay: Any) -> Prefetcher:
         """Batches of ``data`` loaded on a thread, ahead, page-locked when going to a GPU. A
         list or tuple of batches, with nothing to page-lock, is read on the event loop: there
-        is nothing to load, and a loader thread would only add a thread wake-up a step."""
+        is nothing to load, and a loader thread would only add a thread wake-up a step.
+        ``replay``: how the epoch's start is replayed (see :class:`Prefetcher`)."""
         transform = pin if self.pin_memory else None
         inline = transform is None and in_memory(data)
-        return Prefetcher(data, depth=self.prefetch, transform=transform, name=name, inline=inline)
+        return Prefetcher(
+            data, depth=self.prefetch, transform=transform, name=name, inline=inline, **replay
+        )
 
     async def _train_epoch(self, data: Iterable[Any], epochs: int) -> bool:
         """Train on the epoch's batches (or the rest of them); False when ``stop()`` came first."""
-        epoch, skip, resume_rng = self.epoch, self._batches_done, None
+        epoch, skip, replay = self.epoch, self._batches_done, {}
         rank, world = (self._comm.rank, self._comm.world_size) if self._comm else (0, 1)
         # Progress (and the bar) count this process's devices: its part of the data.
         mine = await rank_items_total_off_loop(data, rank, world)
@@ -128,7 +133,16 @@ class Epochs(DistributedSteps):
             # or a checkpoint from then): start it again as it started, the generators
             # included, whatever the loader of the cancelled start drew since.
             if skip:
-                resume_rng = _checkpoint.capture_rng()
+                # The loader thread loads as many batches as the interrupted run's had, drawing
+                # what it drew (augmentation in the main process), then puts the generators
+                # back as they are now, before training on any batch: the step's own draws go
+                # on from there too.
+                now = _checkpoint.capture_rng()
+                replay = {
+                    "skip": skip,
+                    "replay": self._batches_loaded or skip,  # unknown in older checkpoints
+                    "resume": lambda: _checkpoint.restore_rng(now),
+                }
             started_new = self._epoch_rng.get("new_iterator")  # absent from older checkpoints
             if started_new is False and _checkpoint.draws_base_seed(view):
                 # The epoch's start reset a persistent-workers loader's iterator, which draws
@@ -149,7 +163,7 @@ class Epochs(DistributedSteps):
                 _checkpoint.restore_loader_rng(data, self._resumed_loader_rng)
             self._epoch_rng = _checkpoint.capture_rng(data)
             self._epoch_rng["new_iterator"] = _checkpoint.draws_base_seed(view)
-            skip = 0
+            skip, self._batches_loaded = 0, None
         self._resumed_loader_rng = None
         tracked = [d.name for d in self.devices] + [
             name for name in self._epoch_items if name not in {d.name for d in self.devices}
@@ -158,7 +172,7 @@ class Epochs(DistributedSteps):
             len(tracked), mine, start=[self._epoch_items.get(n, 0) for n in tracked]
         )
         started = time.perf_counter() - self._epoch_seconds
-        window, pending, seen, exhausted = Window(), [], 0, True
+        window, pending, seen, exhausted = Window(), [], skip, True
         bar = self._progress_bar(epoch, epochs, mine, tracker.progress.items_processed)
         self._last_global = None
 
@@ -166,15 +180,12 @@ class Epochs(DistributedSteps):
             await self._step(window, epoch, True, tracker, tracked, bar)
 
         self._remember_iterator(data)
+        prefetcher = self._prefetcher(view, "train_data", **replay)
         try:
-            async with self._prefetcher(view, "train_data") as batches:
+            async with prefetcher as batches:
+                self._loading = prefetcher
                 async for batch in batches:
-                    if resume_rng is not None:
-                        _checkpoint.restore_rng(resume_rng)  # the loader has drawn its seed
-                        resume_rng = None
                     seen += 1
-                    if seen <= skip:
-                        continue
                     # A clear error, before any work, for a batch we cannot split.
                     check_batch(batch, data, "train_data")
                     pending.append(batch)
@@ -196,8 +207,6 @@ class Epochs(DistributedSteps):
                                 exhausted = await self._all_exhausted(exhausted)
                             break
                 else:
-                    if resume_rng is not None:
-                        _checkpoint.restore_rng(resume_rng)
                     if pending:
                         window.batches.append(pending)
                     if window.batches:
@@ -205,6 +214,10 @@ class Epochs(DistributedSteps):
                     if self._distributed():
                         exhausted = await self._drain(step)
         finally:
+            self._loading = None
+            # A replay cut short kept the count it replayed to: its resume put the generators
+            # back as they were then.
+            self._batches_loaded = max(self._batches_loaded or 0, prefetcher.loaded)
             self._unlock_window()  # left in mid-window (cancelled while it waited for a batch)
             bar.close()
             self._epoch_seconds = time.perf_counter() - started
@@ -341,6 +354,7 @@ class Epochs(DistributedSteps):
             self.history.append(record)
             self.epoch += 1
             self._batches_done, self._epoch_rng, self._epoch_trained = 0, None, False
+            self._batches_loaded = None
             self._epoch_sums, self._epoch_items, self._epoch_seconds = Sums(), {}, 0.0
         if self.checkpoint_dir is not None and (self._comm is None or self._comm.rank == 0):
             await self._save_epoch_checkpoint()  # across ranks: rank 0 writes

@@ -6,17 +6,30 @@ on the event loop that would freeze every other task. :class:`Prefetcher` calls 
 small bounded buffer, so the next batch loads while the devices compute the current one. Data
 that cannot block (batches in a list) is read in place instead (``inline``): a thread would
 only add a wake-up a batch.
+
+Continuing an epoch, the loader thread replays its start: it loads (``replay``) as many batches
+as the interrupted run's loader had loaded, keeping those after the first ``skip`` (already
+trained on), and only then calls ``resume`` (which puts the random number generators back as
+the interrupted run left them), before it hands any batch over. A loader that draws random
+numbers itself (augmentation in ``__getitem__`` with ``num_workers=0``) then draws what it drew
+in the interrupted run, and training goes on from the generators' state then. :attr:`loaded`
+counts the batches loaded so far; :meth:`paused` holds the thread between two batches, so that
+a checkpoint sees the count and the generators together.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import itertools
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any
+
+import anyio
 
 from ._loop import Waker, current_waker
 
@@ -46,6 +59,9 @@ class Prefetcher:
         inline: Iterate ``data`` on the event loop's thread, with no loader thread: for data
             whose ``next()`` never blocks (batches in a list, in memory already), where a
             thread would only add a wake-up a batch.
+        skip: How many of the first batches to load and drop (trained on already).
+        replay: How many batches to load before handing any over (at least ``skip``).
+        resume: Called once those are loaded, before any batch is handed over.
     """
 
     def __init__(
@@ -57,8 +73,17 @@ class Prefetcher:
         name: str = "data",
         close_timeout: float = 30.0,
         inline: bool = False,
+        skip: int = 0,
+        replay: int = 0,
+        resume: Callable[[], None] | None = None,
     ) -> None:
         self._data = data
+        self._skip = skip
+        self._replay = max(replay, skip)
+        self._resume = resume
+        #: Batches loaded so far (dropped, waiting or handed over).
+        self.loaded = 0
+        self._drawing = threading.Lock()  # held by the loader thread while it loads a batch
         self._inline: Iterator[Any] | None = None
         self._inline_wanted = inline
         self._transform = transform
@@ -74,6 +99,10 @@ class Prefetcher:
     async def __aenter__(self) -> Prefetcher:
         if self._inline_wanted:
             self._inline = iter(self._data)
+            # Batches in memory draw no random numbers: drop those done, then resume.
+            self.loaded = len(list(itertools.islice(self._inline, self._skip)))
+            if self._resume is not None:
+                self._resume()
             return self
         self._waker = current_waker()
         self._thread.start()
@@ -99,6 +128,7 @@ class Prefetcher:
             except Exception as failure:
                 failure.add_note(f"raised while iterating {self._name}")
                 raise
+            self.loaded += 1
             return self._transform(batch) if self._transform is not None else batch
         waker = self._waker
         assert waker is not None, "use 'async with Prefetcher(...)'"
@@ -118,6 +148,18 @@ class Prefetcher:
             finally:
                 del error
         return item
+
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[int]:
+        """Hold the loader thread between two batches (waiting, on a thread, for one it is
+        loading); yields :attr:`loaded`. A cancellation is taken within 50 ms, even while a
+        slow ``next()`` goes on."""
+        while not await anyio.to_thread.run_sync(self._drawing.acquire, True, 0.05):
+            pass
+        try:
+            yield self.loaded
+        finally:
+            self._drawing.release()
 
     async def aclose(self) -> None:
         """Stop loading and wait (shielded, up to ``close_timeout``) for the thread to exit."""
@@ -153,15 +195,28 @@ class Prefetcher:
         assert waker is not None
         try:
             iterator = iter(self._data)
+            held, ended = self._replay_start(iterator)
+            if ended:
+                held.append(_DONE)
+            while held:
+                self._slots.acquire()
+                if self._stop.is_set():
+                    return
+                self._buffer.append(held.pop(0))
+                waker.wake_threadsafe()
+            if ended:
+                return
             while True:
                 self._slots.acquire()
                 if self._stop.is_set():
                     return
-                try:
-                    item = next(iterator)
-                except StopIteration:
-                    self._buffer.append(_DONE)
-                    return
+                with self._drawing:
+                    try:
+                        item = next(iterator)
+                    except StopIteration:
+                        self._buffer.append(_DONE)
+                        return
+                    self.loaded += 1
                 if self._transform is not None:
                     item = self._transform(item)
                 self._buffer.append(item)
@@ -172,3 +227,26 @@ class Prefetcher:
         finally:
             self._finished.set()
             waker.wake_threadsafe()
+
+    def _replay_start(self, iterator: Iterator[Any]) -> tuple[list[Any], bool]:
+        """Load the first ``replay`` batches, dropping the first ``skip``, then ``resume`` (also
+        when loading raised): the batches kept, and whether the data ended among them."""
+        held: list[Any] = []
+        ended = False
+        with self._drawing:
+            try:
+                while self.loaded < self._replay and not self._stop.is_set():
+                    try:
+                        item = next(iterator)
+                    except StopIteration:
+                        ended = True
+                        break
+                    self.loaded += 1
+                    if self.loaded > self._skip:
+                        transform = self._transform
+                        held.append(transform(item) if transform is not None else item)
+                    del item
+            finally:
+                if self._resume is not None:
+                    self._resume()
+        return held, ended

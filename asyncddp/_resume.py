@@ -3,9 +3,11 @@
 A checkpoint holds the first replica's model, optimizer and LR scheduler state, and the
 *position*: epoch, step, batches done in the epoch, the epoch's loss sums and item counts, the
 RNG state at the epoch's start (the generators the loader owns included) and now, and the
-states of the loader's generators when the last epoch ended. Resuming in mid-epoch replays the
-epoch's start, so a shuffling ``DataLoader`` draws the same order, and skips the batches already
-trained on.
+states of the loader's generators when the last epoch ended, and how many batches the epoch's
+loader had loaded. Resuming in mid-epoch replays the epoch's start, so a shuffling
+``DataLoader`` draws the same order, skips the batches already trained on, and puts the
+generators back as they were once the loader has loaded as many batches as it had (see
+:class:`~asyncddp._loader.Prefetcher`).
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ class Resumable(Epochs):
     _last_iterator: Callable[[], Any] | None
     _scaler: LossScaler | None
 
-    def _position(self) -> dict[str, Any]:
+    def _position(self, loaded: int | None = None) -> dict[str, Any]:
+        """Where training is; ``loaded``: the batches the running epoch's loader has loaded,
+        counted while it is held (see :meth:`_snapshot`)."""
         return {
             "epoch": self.epoch,
             "global_step": self.global_step,
             "batches_done": self._batches_done,
+            "batches_loaded": loaded if loaded is not None else self._batches_loaded,
             "epoch_rng": self._epoch_rng,
             "loader_rng": self._loader_rng,
             "epoch_trained": self._epoch_trained,
@@ -66,6 +71,8 @@ class Resumable(Epochs):
         self.epoch = int(state["epoch"])
         self.global_step = int(state["global_step"])
         self._batches_done = int(state["batches_done"])
+        loaded = state.get("batches_loaded")  # absent from the checkpoints of earlier versions
+        self._batches_loaded = int(loaded) if loaded is not None else None
         self._epoch_rng = state.get("epoch_rng")
         # Absent from the checkpoints of earlier versions: the loader's generators stay as the
         # loader has them.
@@ -97,7 +104,14 @@ class Resumable(Epochs):
             self._jobs().snapshot, [True] + [False] * (n - 1), phase="checkpoint"
         )
         state: dict[str, Any] = result.outputs[0]
-        state.update(self._position())
+        loading = self._loading
+        if loading is None:
+            state.update(self._position())
+            return state
+        # The loader thread may be drawing random numbers for a batch ahead: held between two
+        # batches, its count and the generators' state are taken together.
+        async with loading.paused() as loaded:
+            state.update(self._position(loaded))
         return state
 
     async def _save_epoch_checkpoint(self) -> None:

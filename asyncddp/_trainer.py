@@ -67,6 +67,7 @@ from ._exceptions import (
     WorkerFailedError,
 )
 from ._jobs import Jobs, Sums, load_into, to_cpu
+from ._loader import Prefetcher
 from ._precision import LossScaler, autocast_dtype
 from ._ranks import rank_items_total_off_loop
 from ._replica import (
@@ -292,6 +293,8 @@ class Trainer(Resumable):
         self.history: list[EpochRecord] = []
         # Where training is inside the current epoch; saved in checkpoints.
         self._batches_done = 0  # batches of the epoch already trained on
+        self._batches_loaded: int | None = None  # by the epoch's loader (see Prefetcher)
+        self._loading: Prefetcher | None = None
         self._epoch_rng: dict[str, Any] | None = None  # the RNG state the epoch started with
         # The states of the loader's own generators when the last epoch ended (saved in
         # checkpoints), and those a checkpoint loaded, put into the loader the next epoch starts.

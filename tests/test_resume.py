@@ -259,3 +259,100 @@ async def test_a_checkpoint_resumes_persistent_workers_with_the_epoch_s_order(
     await resumed.fit(persistent_loader(), epochs=2, resume=path)
     assert sorted(before.seen[1] + after.seen[1]) == list(range(SAMPLES))
     torch.testing.assert_close(parameters(resumed), parameters(uninterrupted))
+
+
+# -- random draws in the loader and in the step ------------------------------------------------
+
+
+class Augmented(Numbered):
+    """Noise drawn from torch's global generator in ``__getitem__``: with ``num_workers=0``, on
+    the loader thread, ahead of training."""
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        inputs, targets, number = super().__getitem__(index)
+        return inputs + 0.1 * torch.randn(FEATURES), targets, number
+
+
+def augmented_loader() -> DataLoader[Any]:
+    return DataLoader(Augmented(), batch_size=2, shuffle=True)
+
+
+async def uninterrupted_augmented(epochs: int) -> torch.Tensor:
+    torch.manual_seed(3)
+    trainer = make_trainer(Recorder())
+    await trainer.fit(augmented_loader(), epochs=epochs)
+    return parameters(trainer)
+
+
+@pytest.mark.parametrize("at_step", [3, 11])
+async def test_an_epoch_continued_with_random_draws_in_the_loader_ends_exactly(
+    at_step: int,
+) -> None:
+    expected = await uninterrupted_augmented(2)
+    torch.manual_seed(3)
+    recorder = Recorder()
+    trainer = make_trainer(recorder)
+    loader = augmented_loader()
+    await fit_until_stopped(trainer, loader, epochs=2, at_step=at_step)
+    await trainer.fit(loader, epochs=2)
+    assert each_once(recorder.seen, 2)
+    torch.testing.assert_close(parameters(trainer), expected, rtol=0, atol=0)
+
+
+async def test_a_checkpoint_resumes_random_draws_in_the_loader_exactly(tmp_path: Any) -> None:
+    expected = await uninterrupted_augmented(2)
+    torch.manual_seed(3)
+    first = make_trainer(Recorder())
+    await fit_until_stopped(first, augmented_loader(), epochs=2, at_step=11)
+    path = await first.save_checkpoint(tmp_path / "stopped.ckpt")
+    torch.manual_seed(999)
+    resumed = make_trainer(Recorder())
+    await resumed.fit(augmented_loader(), epochs=2, resume=path)
+    torch.testing.assert_close(parameters(resumed), expected, rtol=0, atol=0)
+
+
+async def test_a_checkpoint_written_while_the_loader_draws_ahead_resumes_exactly(
+    tmp_path: Any,
+) -> None:
+    expected = await uninterrupted_augmented(2)
+    torch.manual_seed(3)
+    trainer = make_trainer(Recorder())
+    stream = trainer.events()
+    path = tmp_path / "during.ckpt"
+
+    async def checkpointer() -> None:
+        async for event in stream:
+            if isinstance(event, StepEnded) and event.step == 10:
+                await trainer.save_checkpoint(path)  # the fit goes on meanwhile
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(checkpointer)
+        await trainer.fit(augmented_loader(), epochs=2)
+    torch.testing.assert_close(parameters(trainer), expected, rtol=0, atol=0)
+    torch.manual_seed(999)
+    resumed = make_trainer(Recorder())
+    await resumed.fit(augmented_loader(), epochs=2, resume=path)
+    torch.testing.assert_close(parameters(resumed), expected, rtol=0, atol=0)
+
+
+def dropout_step(model: nn.Module, batch: Any) -> torch.Tensor:
+    inputs, targets, _ = batch
+    return F.mse_loss(model(F.dropout(inputs, 0.5)), targets)
+
+
+async def test_an_epoch_continued_with_dropout_in_the_step_ends_exactly() -> None:
+    # The loader draws only its order: the step's draws go on from where they were.
+    def dropout_trainer() -> Trainer:
+        torch.manual_seed(0)
+        model = nn.Linear(FEATURES, 1)
+        return Trainer(model, SGD, dropout_step, devices=cpu_devices(1), progress_bar=False)
+
+    loader = DataLoader(Numbered(), batch_size=2, shuffle=True)
+    torch.manual_seed(3)
+    uninterrupted = dropout_trainer()
+    await uninterrupted.fit(loader, epochs=2)
+    torch.manual_seed(3)
+    trainer = dropout_trainer()
+    await fit_until_stopped(trainer, loader, epochs=2, at_step=11)
+    await trainer.fit(loader, epochs=2)
+    torch.testing.assert_close(parameters(trainer), parameters(uninterrupted), rtol=0, atol=0)
