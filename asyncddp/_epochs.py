@@ -30,9 +30,9 @@ from ._dsteps import DistributedSteps
 from ._events import EpochEnded, StepEnded, ValidationEnded
 from ._exceptions import ConfigurationError, DataError, StepOutputError, WorkerFailedError
 from ._jobs import Jobs, Sums, check_counts
-from ._loader import Prefetcher
+from ._loader import ENDED, GAVE_UP, Prefetcher, after_left_behind
 from ._progress import ProgressTracker
-from ._ranks import in_memory, rank_items_total_off_loop
+from ._ranks import batch_count, in_memory, rank_items_total_off_loop
 from ._steps import Window, shard_items
 
 __all__ = ["EpochRecord", "Epochs"]
@@ -64,7 +64,8 @@ class Epochs(DistributedSteps):
     check_finite: bool
     _batches_done: int
     _batches_loaded: int | None  # by the epoch's loader when training stopped (None: unknown)
-    _loading: Prefetcher | None  # the epoch's loader, while it runs
+    _loading: Prefetcher | None  # the epoch's loader, while it runs (stop() wakes its wait)
+    _left_loading: Prefetcher | None  # the epoch's loader, closed inside a call into the data
     _epoch_rng: dict[str, Any] | None
     _loader_rng: dict[str, Any] | None
     _resumed_loader_rng: dict[str, Any] | None
@@ -99,19 +100,66 @@ class Epochs(DistributedSteps):
             self._window_locked = False
             self._step_lock.release()
 
-    def _prefetcher(self, data: Iterable[Any], name: str, **replay: Any) -> Prefetcher:
-        """Batches of ``data`` loaded on a thread, ahead, page-locked when going to a GPU. A
-        list or tuple of batches, with nothing to page-lock, is read on the event loop: there
-        is nothing to load, and a loader thread would only add a thread wake-up a step.
-        ``replay``: how the epoch's start is replayed (see :class:`Prefetcher`)."""
+    def _prefetcher(
+        self, data: Iterable[Any], name: str, source: object, **replay: Any
+    ) -> Prefetcher:
+        """Batches of ``data`` (``source``, the user's data, or a rank's view of it) loaded on
+        a thread, ahead, page-locked when going to a GPU. A list or tuple of batches, with
+        nothing to page-lock, is read on the event loop: there is nothing to load, and a
+        loader thread would only add a thread wake-up a step. ``replay``: how the epoch's
+        start is replayed (see :class:`Prefetcher`)."""
         transform = pin if self.pin_memory else None
         inline = transform is None and in_memory(data)
         return Prefetcher(
-            data, depth=self.prefetch, transform=transform, name=name, inline=inline, **replay
+            data,
+            depth=self.prefetch,
+            transform=transform,
+            name=name,
+            inline=inline,
+            source=source,
+            **replay,
         )
+
+    def _used_up(self, batches: Prefetcher, view: Iterable[Any], seen: int) -> bool:
+        """At a stop: whether this rank's part of the epoch is used up, as far as that is
+        known without waiting for the loader, which may be inside a long ``next()``: the
+        loader already reached the end, or ``seen`` is the data's exact batch count. When
+        neither tells, the epoch stays unfinished: the next fit reads the data again, skips
+        the batches done and, finding none left, closes the epoch."""
+        ended = batches.used_up()
+        if ended is None:
+            count = batch_count(view)
+            ended = count is not None and seen >= count
+        return ended
+
+    def _count_left_loading(self) -> None:
+        """Count the batch the epoch's loader thread, left inside a call into the data by a
+        stop or a cancellation, went on to load, once it has returned: that batch's draws
+        from the generators were made, so a continued epoch's replay loads it too before it
+        puts the generators back (see :class:`Prefetcher`)."""
+        left = self._left_loading
+        if left is not None and not left.left_behind:
+            self._left_loading = None
+            self._batches_loaded = max(self._batches_loaded or 0, left.loaded)
+
+    async def _after_left_loading(self) -> None:
+        """Wait (cancellably) for the epoch's loader thread left inside a call into the data,
+        if any, to return, and count what it loaded: a checkpoint then holds the generators
+        and the count together."""
+        left = self._left_loading
+        if left is not None:
+            await after_left_behind(left.source)
+        self._count_left_loading()
 
     async def _train_epoch(self, data: Iterable[Any], epochs: int) -> bool:
         """Train on the epoch's batches (or the rest of them); False when ``stop()`` came first."""
+        # Before the generators are captured or put back below: a loader an earlier call
+        # left inside a call into this data may still draw from them; so may the loader of
+        # the epoch this continues, whatever data it read (a new DataLoader over the same
+        # dataset, a new generator), and the batch it loads counts among those the replay
+        # loads.
+        await after_left_behind(data)
+        await self._after_left_loading()
         epoch, skip, replay = self.epoch, self._batches_done, {}
         rank, world = (self._comm.rank, self._comm.world_size) if self._comm else (0, 1)
         # Progress (and the bar) count this process's devices: its part of the data.
@@ -163,7 +211,7 @@ class Epochs(DistributedSteps):
                 _checkpoint.restore_loader_rng(data, self._resumed_loader_rng)
             self._epoch_rng = _checkpoint.capture_rng(data)
             self._epoch_rng["new_iterator"] = _checkpoint.draws_base_seed(view)
-            skip, self._batches_loaded = 0, None
+            skip, self._batches_loaded, self._left_loading = 0, None, None
         self._resumed_loader_rng = None
         tracked = [d.name for d in self.devices] + [
             name for name in self._epoch_items if name not in {d.name for d in self.devices}
@@ -172,7 +220,8 @@ class Epochs(DistributedSteps):
             len(tracked), mine, start=[self._epoch_items.get(n, 0) for n in tracked]
         )
         started = time.perf_counter() - self._epoch_seconds
-        window, pending, seen, exhausted = Window(), [], skip, True
+        window, seen, exhausted = Window(), skip, True
+        pending: list[Any] = []
         bar = self._progress_bar(epoch, epochs, mine, tracker.progress.items_processed)
         self._last_global = None
 
@@ -180,11 +229,29 @@ class Epochs(DistributedSteps):
             await self._step(window, epoch, True, tracker, tracked, bar)
 
         self._remember_iterator(data)
-        prefetcher = self._prefetcher(view, "train_data", **replay)
+        prefetcher = self._prefetcher(view, "train_data", data, **replay)
+        # Between optimizer steps, a stop() ends a wait for the loader: the step boundary is
+        # now. Not across processes, where a stop takes effect once the ranks agree on it in
+        # a step's exchange.
+        give_up = None if self._distributed() else self._should_stop
         try:
             async with prefetcher as batches:
-                self._loading = prefetcher
-                async for batch in batches:
+                self._loading = prefetcher  # stop() wakes its wait for a batch
+                while True:
+                    batch = await batches.next(
+                        give_up if not window.batches and not pending else None
+                    )
+                    if batch is ENDED:
+                        if pending:
+                            window.batches.append(pending)
+                        if window.batches:
+                            await step(window)
+                        if self._distributed():
+                            exhausted = await self._drain(step)
+                        break
+                    if batch is GAVE_UP:  # stop() while waiting for the loader
+                        exhausted = self._used_up(batches, view, seen)
+                        break
                     seen += 1
                     # A clear error, before any work, for a batch we cannot split.
                     check_batch(batch, data, "train_data")
@@ -201,23 +268,19 @@ class Epochs(DistributedSteps):
                     if final:
                         window = Window()
                         if self._should_stop():
-                            # Stopped: the epoch is over only if the data is used up too.
-                            exhausted = await anext(batches, None) is None
+                            # Stopped: the epoch is over only if the data is used up too,
+                            # which is not waited for (see _used_up).
+                            exhausted = self._used_up(batches, view, seen)
                             if self._distributed():
                                 exhausted = await self._all_exhausted(exhausted)
                             break
-                else:
-                    if pending:
-                        window.batches.append(pending)
-                    if window.batches:
-                        await step(window)
-                    if self._distributed():
-                        exhausted = await self._drain(step)
         finally:
             self._loading = None
             # A replay cut short kept the count it replayed to: its resume put the generators
-            # back as they were then.
+            # back as they were then. A thread left inside next() counts its batch once it
+            # returns (_count_left_loading).
             self._batches_loaded = max(self._batches_loaded or 0, prefetcher.loaded)
+            self._left_loading = prefetcher if prefetcher.left_behind else None
             self._unlock_window()  # left in mid-window (cancelled while it waited for a batch)
             bar.close()
             self._epoch_seconds = time.perf_counter() - started
@@ -354,7 +417,7 @@ class Epochs(DistributedSteps):
             self.history.append(record)
             self.epoch += 1
             self._batches_done, self._epoch_rng, self._epoch_trained = 0, None, False
-            self._batches_loaded = None
+            self._batches_loaded, self._left_loading = None, None
             self._epoch_sums, self._epoch_items, self._epoch_seconds = Sums(), {}, 0.0
         if self.checkpoint_dir is not None and (self._comm is None or self._comm.rank == 0):
             await self._save_epoch_checkpoint()  # across ranks: rank 0 writes
@@ -368,7 +431,7 @@ class Epochs(DistributedSteps):
         totals, pending = Sums(), []
         name = "data" if epoch is None else "valid_data"  # validate(data) or fit(valid_data=)
         try:
-            async with self._prefetcher(self._rank_data(data, 0), name) as batches:
+            async with self._prefetcher(self._rank_data(data, 0), name, data) as batches:
                 async for batch in batches:
                     check_batch(batch, data, name)  # before any work of its step
                     pending.append(batch)

@@ -23,12 +23,13 @@ from typing import Any, cast
 
 import anyio
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
 
 from ._data import is_batch_list, items_in, items_total
 from ._exceptions import DataError
 
 __all__ = [
+    "batch_count",
     "in_memory",
     "rank_items_total",
     "rank_items_total_off_loop",
@@ -46,6 +47,31 @@ def in_memory(data: Iterable[Any]) -> bool:
     one (a subclass may iterate otherwise, lazily): batches in memory already, whose ``next()``
     never blocks."""
     return is_batch_list(data.data if isinstance(data, _Strided) else data)
+
+
+def batch_count(data: Iterable[Any]) -> int | None:
+    """How many batches iterating ``data`` (or a rank's view of it) yields, where that is
+    certain without iterating: a list or tuple of batches, or a plain ``DataLoader`` over a
+    map-style dataset whose batches torch's own samplers draw (its ``len()`` is then exact, as
+    the dataset's must be for the loader to work). ``None`` otherwise: another iterable's
+    ``len()`` may be an estimate, or count samples rather than batches."""
+    if isinstance(data, _Strided):
+        inner = batch_count(data.data)
+        return None if inner is None else len(range(data.rank, inner, data.world_size))
+    if is_batch_list(data):
+        return len(cast("Sized", data))
+    if type(data) is DataLoader and not isinstance(data.dataset, IterableDataset):
+        draws = data.batch_sampler if data.batch_sampler is not None else data.sampler
+        return len(data) if _torch_sampler(draws) else None
+    return None
+
+
+def _torch_sampler(sampler: object) -> bool:
+    if isinstance(sampler, _StridedBatchSampler):
+        return _torch_sampler(sampler.inner)
+    if type(sampler) is BatchSampler:
+        return _torch_sampler(sampler.sampler)
+    return type(sampler).__module__.startswith("torch.utils.data.")
 
 
 def rank_view(

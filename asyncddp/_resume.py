@@ -47,6 +47,7 @@ class Resumable(Epochs):
     def _position(self, loaded: int | None = None) -> dict[str, Any]:
         """Where training is; ``loaded``: the batches the running epoch's loader has loaded,
         counted while it is held (see :meth:`_snapshot`)."""
+        self._count_left_loading()
         return {
             "epoch": self.epoch,
             "global_step": self.global_step,
@@ -73,6 +74,7 @@ class Resumable(Epochs):
         self._batches_done = int(state["batches_done"])
         loaded = state.get("batches_loaded")  # absent from the checkpoints of earlier versions
         self._batches_loaded = int(loaded) if loaded is not None else None
+        self._left_loading = None  # a loader left behind counts for the position it replaces
         self._epoch_rng = state.get("epoch_rng")
         # Absent from the checkpoints of earlier versions: the loader's generators stay as the
         # loader has them.
@@ -106,6 +108,9 @@ class Resumable(Epochs):
         state: dict[str, Any] = result.outputs[0]
         loading = self._loading
         if loading is None:
+            # A loader thread a stop or a cancellation left inside next() may still draw
+            # random numbers: its batch and the generators are taken once it has returned.
+            await self._after_left_loading()
             state.update(self._position())
             return state
         # The loader thread may be drawing random numbers for a batch ahead: held between two

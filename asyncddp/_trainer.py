@@ -294,7 +294,8 @@ class Trainer(Resumable):
         # Where training is inside the current epoch; saved in checkpoints.
         self._batches_done = 0  # batches of the epoch already trained on
         self._batches_loaded: int | None = None  # by the epoch's loader (see Prefetcher)
-        self._loading: Prefetcher | None = None
+        self._loading: Prefetcher | None = None  # while an epoch trains (see stop())
+        self._left_loading: Prefetcher | None = None  # closed inside next() (see _epochs)
         self._epoch_rng: dict[str, Any] | None = None  # the RNG state the epoch started with
         # The states of the loader's own generators when the last epoch ended (saved in
         # checkpoints), and those a checkpoint loaded, put into the loader the next epoch starts.
@@ -365,12 +366,18 @@ class Trainer(Resumable):
     def stop(self, reason: str = "stop() was called") -> None:
         """End the running ``fit`` at the next optimizer step boundary; it returns normally.
 
+        It does not wait for the data: a fit waiting for the loader between two steps returns
+        at once, and one that cannot tell, without reading on, whether the epoch's data is used
+        up leaves the epoch open for the next fit to close (see docs/cancellation.md).
+
         Safe to call from any task on the event loop, or from an event handler. It is for the
         fit running now: a ``fit`` clears any earlier stop when it starts, so a stop called
         before a fit's task has begun to run (just after ``asyncio.create_task(fit(...))``,
         say) is lost; stop it once it runs (after its ``FitStarted`` event, for example).
         """
         self._stop_reason = reason
+        if self._loading is not None:
+            self._loading.wake()  # a fit waiting for the loader between steps stops now
 
     async def fit(
         self,
@@ -421,7 +428,9 @@ class Trainer(Resumable):
             optimizer step. Across processes (:mod:`asyncddp.distributed`) an exchange with
             the other ranks in progress is finished first; a step it completed was taken on
             every rank, so it is kept and counted here too. The other ranks raise
-            :class:`WorkerFailedError` naming this one at their next exchange.
+            :class:`WorkerFailedError` naming this one at their next exchange. A ``next()``
+            in progress on the loader thread is not waited for: it finishes in the background,
+            and the next call over the same data waits for it before reading that data.
         """
         await self._wait_for_checkpoint_session()
         self._refuse_if_running()  # before the try: a running fit's event streams stay open

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
 
+import anyio
 import pytest
 import torch
 
@@ -156,3 +158,87 @@ def test_items_total_is_unknown_for_a_sampler_of_no_length() -> None:
     assert items_total(loader(data, batch_size=4, shuffle=True)) == 20
     assert items_total(loader(_Stream(), batch_size=4)) == 10  # an iterable dataset's own length
     assert items_total(loader(data, batch_sampler=[[0, 1], [2]])) is None
+
+
+class _SharedIterator:
+    """Data whose every iter() is one iterator, as a ``DataLoader`` with ``persistent_workers``
+    hands out; its second next() waits for ``gate``. Counts the threads inside next() at once."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        self.gate = gate
+        self.given = 0
+        self.inside = 0
+        self.most_inside = 0
+        self.lock = threading.Lock()
+        self.waiting = threading.Event()
+
+    def __iter__(self) -> _SharedIterator:
+        return self
+
+    def __next__(self) -> int:
+        with self.lock:
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
+        try:
+            if self.given == 1:
+                self.waiting.set()
+                assert self.gate.wait(60.0)
+            self.given += 1
+            return self.given
+        finally:
+            with self.lock:
+                self.inside -= 1
+
+
+@pytest.mark.anyio
+async def test_a_prefetcher_closed_inside_next_returns_and_the_next_one_waits_for_that_call(
+    release: threading.Event,
+) -> None:
+    from asyncddp._loader import Prefetcher
+
+    data = _SharedIterator(release)
+    timer = threading.Timer(5.0, release.set)  # ends a wait for the gate all the same
+    timer.start()
+    try:
+        async with Prefetcher(data, depth=1) as first:
+            assert await first.__anext__() == 1  # its thread goes on into next(), and waits
+            assert await anyio.to_thread.run_sync(data.waiting.wait, 10.0)
+        assert not release.is_set()  # closing did not wait for that next()
+    finally:
+        timer.cancel()
+    got: list[int] = []
+
+    async def read_again() -> None:
+        async with Prefetcher(data, depth=1) as second:
+            got.append(await second.__anext__())
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(read_again)
+        await anyio.sleep(0.2)
+        assert data.most_inside == 1  # the second waits for the first one's call to end
+        release.set()
+    assert got == [3]  # the 2nd item went to the first one's thread, and was dropped
+    assert data.most_inside == 1
+
+
+def test_a_batch_count_is_given_only_where_it_is_exact() -> None:
+    # A stopped fit closes the epoch when this count says its data is used up: a guess would
+    # skip batches.
+    from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+    from asyncddp._ranks import batch_count, rank_view
+
+    class Evens(Sampler[int]):  # a sampler of the user's own: its len() is theirs
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(0, 10, 2))
+
+        def __len__(self) -> int:
+            return 5
+
+    dataset = TensorDataset(torch.zeros(10, 2))
+    assert batch_count([1, 2, 3]) == 3
+    assert batch_count(rank_view([1, 2, 3], 1, 2, seed=0)) == 1
+    assert batch_count(DataLoader(dataset, batch_size=4, shuffle=True)) == 3
+    assert batch_count(rank_view(DataLoader(dataset, batch_size=4), 1, 2, seed=0)) == 1
+    assert batch_count(DataLoader(dataset, batch_size=4, sampler=Evens())) is None
+    assert batch_count(iter([1, 2])) is None

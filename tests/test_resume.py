@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -356,3 +357,93 @@ async def test_an_epoch_continued_with_dropout_in_the_step_ends_exactly() -> Non
     await fit_until_stopped(trainer, loader, epochs=2, at_step=11)
     await trainer.fit(loader, epochs=2)
     torch.testing.assert_close(parameters(trainer), parameters(uninterrupted), rtol=0, atol=0)
+
+
+# -- a loader thread left inside next() by a stop or a cancellation ------------------------------
+
+
+class HeldAugmented(Augmented):
+    """:class:`Augmented` whose ``at``-th item (counted from 1, the first time only) draws part
+    of its noise, waits for ``gate`` (after setting ``inside``), then draws the rest: a stop or
+    a cancellation meanwhile leaves the loader thread inside ``next()``, in mid-draw."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+        self.inside, self.gate = threading.Event(), threading.Event()
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.calls += 1
+        if self.calls != self.at:
+            return super().__getitem__(index)
+        inputs, targets, number = Numbered.__getitem__(self, index)
+        first = torch.randn(FEATURES // 2)
+        self.inside.set()
+        assert self.gate.wait(60.0)
+        noise = torch.cat([first, torch.randn(FEATURES - FEATURES // 2)])
+        return inputs + 0.1 * noise, targets, number
+
+
+async def interrupt_inside_next(trainer: Trainer, data: HeldAugmented, how: str) -> None:
+    """``fit`` until it waits for the batch the loader thread is held inside; then stop it, or
+    cancel it, leaving that thread inside ``next()``."""
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as group:
+
+            async def interrupt() -> None:
+                await anyio.to_thread.run_sync(data.inside.wait)
+                await anyio.sleep(0.5)  # training catches up with the loader and waits for it
+                assert not data.gate.is_set()
+                if how == "stop":
+                    trainer.stop("test")
+                else:
+                    scope.cancel()
+
+            group.start_soon(interrupt)
+            result = await trainer.fit(DataLoader(data, batch_size=2, shuffle=True), epochs=2)
+            assert result.stopped
+    assert scope.cancelled_caught == (how == "cancel")
+    assert not data.gate.is_set(), "fit waited for the loader"
+
+
+@pytest.mark.parametrize("how", ["stop", "cancel"])
+async def test_an_epoch_continued_after_the_loader_was_left_inside_next_ends_exactly(
+    how: str,
+) -> None:
+    # The batch the thread left behind went on to load drew from the generators after the
+    # fit returned: the next fit waits for it, and its replay loads that batch too before it
+    # puts the generators back. It used to load one batch fewer, and that batch was drawn
+    # again from where the generators were after it.
+    expected = await uninterrupted_augmented(2)
+    torch.manual_seed(3)
+    trainer = make_trainer(Recorder())
+    data = HeldAugmented(at=11)
+    await interrupt_inside_next(trainer, data, how)
+    data.gate.set()
+    await trainer.fit(DataLoader(data, batch_size=2, shuffle=True), epochs=2)
+    torch.testing.assert_close(parameters(trainer), expected, rtol=0, atol=0)
+
+
+async def test_a_checkpoint_after_the_loader_was_left_inside_next_resumes_exactly(
+    tmp_path: Any,
+) -> None:
+    # save_checkpoint waits for the call left running, then takes the count of batches loaded
+    # and the generators together. It used to take them while that call was in mid-draw.
+    expected = await uninterrupted_augmented(2)
+    torch.manual_seed(3)
+    trainer = make_trainer(Recorder())
+    data = HeldAugmented(at=11)
+    await interrupt_inside_next(trainer, data, "stop")
+    async with anyio.create_task_group() as group:
+
+        async def release() -> None:
+            await anyio.sleep(0.3)
+            data.gate.set()
+
+        group.start_soon(release)
+        path = await trainer.save_checkpoint(tmp_path / "left.ckpt")
+        assert data.gate.is_set(), "the checkpoint did not wait for the call left running"
+    torch.manual_seed(999)
+    resumed = make_trainer(Recorder())
+    await resumed.fit(augmented_loader(), epochs=2, resume=path)
+    torch.testing.assert_close(parameters(resumed), expected, rtol=0, atol=0)

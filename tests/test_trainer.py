@@ -2087,6 +2087,108 @@ async def test_stop_at_the_last_step_of_an_epoch_still_closes_the_epoch() -> Non
     assert [record.items for record in result.history] == [12]
 
 
+class Gated:
+    """Batches made anew by each iter(), the one at ``index`` (or, at ``len(batches)``, the end)
+    held back until ``gate`` opens: a slow disk, or a stream waiting for data. ``waiting`` is
+    set once the loader waits there."""
+
+    def __init__(self, batches: list[Any], index: int, gate: threading.Event) -> None:
+        self.batches, self.index, self.gate = batches, index, gate
+        self.waiting = threading.Event()
+
+    def __iter__(self) -> Iterator[Any]:
+        for position in range(len(self.batches) + 1):
+            if position == self.index:
+                self.waiting.set()
+                assert self.gate.wait(60.0)
+            if position < len(self.batches):
+                yield self.batches[position]
+
+
+@contextlib.contextmanager
+def opened_after(gate: threading.Event, seconds: float) -> Iterator[None]:
+    """Open ``gate`` after ``seconds``, so that code that waits for it ends all the same: a test
+    that asserts the gate is still shut has then seen it ended without waiting."""
+    timer = threading.Timer(seconds, gate.set)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+async def test_stop_returns_at_the_step_boundary_while_the_loader_waits_for_a_batch(
+    release: threading.Event,
+) -> None:
+    # The loader waits at the fourth batch. fit used to read one more batch after a stop (to
+    # see whether the epoch was over), and to wait for the loader's next() as it closed.
+    batches = make_batches([4] * 6)
+    data = Gated(batches, 3, release)
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    with opened_after(release, 5.0):
+        first = await fit_until_stopped(trainer, data, epochs=1, at_step=0)
+        assert not release.is_set()  # fit returned while the loader still waited
+    assert first.stopped
+    assert 1 <= first.global_step <= 3
+    assert first.history == ()  # the epoch is not over: the next fit continues it
+    release.set()
+    stream = trainer.events()
+    rest = await trainer.fit(data, epochs=1)  # the same data: after the loader left behind
+    steps = [e.step async for e in stream if isinstance(e, StepEnded)]
+    assert steps == list(range(first.global_step, 6))
+    assert [record.items for record in rest.history] == [24]
+    assert_close(trainer.model, reference(batches, 1, SGD))
+
+
+async def test_stop_at_the_last_step_with_a_loader_not_yet_at_the_end_closes_the_epoch_next_fit(
+    release: threading.Event,
+) -> None:
+    # A stream that has not said it is over: fit cannot know that the epoch is, and does not
+    # wait to learn it. The epoch stays open; the next fit finds no batch left and closes it.
+    batches = make_batches([4] * 3)
+    data = Gated(batches, 3, release)
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    with opened_after(release, 5.0):
+        first = await fit_until_stopped(trainer, data, epochs=2, at_step=2)  # the epoch's last
+        assert not release.is_set()
+    assert first.stopped
+    assert (first.epoch, first.global_step, first.history) == (0, 3, ())
+    release.set()
+    stream = trainer.events()
+    rest = await trainer.fit(data, epochs=1)
+    events = [e async for e in stream]
+    assert not any(isinstance(e, StepEnded) for e in events)  # nothing left to train on
+    assert [type(e).__name__ for e in events] == ["FitStarted", "EpochEnded", "FitEnded"]
+    assert (rest.epoch, rest.global_step) == (1, 3)
+    assert [record.items for record in rest.history] == [12]
+    assert_close(trainer.model, reference(batches, 1, SGD))
+
+
+async def test_cancelling_fit_does_not_wait_for_the_loader_s_next(
+    release: threading.Event,
+) -> None:
+    # The loader waits at the third batch; fit is cancelled while it waits for that batch.
+    batches = make_batches([4] * 5)
+    data = Gated(batches, 2, release)
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    stream = trainer.events()
+    with opened_after(release, 5.0):
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: trainer.fit(data, epochs=1))  # type: ignore[arg-type,return-value]
+            async for event in stream:
+                if isinstance(event, StepEnded) and event.step == 1:
+                    break
+            await anyio.to_thread.run_sync(data.waiting.wait, 10.0)
+            group.cancel_scope.cancel()
+        assert not release.is_set()  # cancelled while the loader still waited
+    assert trainer.global_step == 2
+    assert_replicas_identical(trainer)
+    release.set()
+    await trainer.fit(data, epochs=1)  # the same data: after the loader left behind
+    assert trainer.global_step == 5
+    assert_close(trainer.model, reference(batches, 1, SGD))
+
+
 async def test_progress_after_a_mid_epoch_resume_reaches_the_total(tmp_path: Any) -> None:
     batches = make_batches([4] * 6)
     first = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
