@@ -131,7 +131,8 @@ def build_replica(
     model = source if use_source else copy.deepcopy(source).to(device.torch_device)
     opt = _made_by(
         optimizer,
-        (p for p in model.parameters() if p.requires_grad),
+        # A list, not a generator: a factory may read it twice (decay and no-decay groups).
+        [p for p in model.parameters() if p.requires_grad],
         "the optimizer factory",
         "Trainer's second argument makes one optimizer per replica from its parameters, such "
         "as functools.partial(torch.optim.SGD, lr=0.1)",
@@ -142,6 +143,21 @@ def build_replica(
             f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer; "
             "give a factory such as functools.partial(torch.optim.SGD, lr=0.1)"
         )
+    own = {id(p) for p in model.parameters()}
+    if any(id(p) not in own for group in opt.param_groups for p in group["params"]):
+        raise ConfigurationError(
+            "the optimizer factory made an optimizer over parameters that are not those of the "
+            "model it was given (a factory that reads the model from outside, say): each "
+            "replica's optimizer must hold that replica's own parameters. Build the optimizer, "
+            "its parameter groups too, from the factory's argument"
+        )
+    for group in opt.param_groups:
+        for key, value in group.items():
+            if key != "params" and isinstance(value, torch.Tensor):
+                # A tensor hyperparameter (lr=torch.tensor(0.1) in a partial) is one object
+                # in every replica's optimizer: each scheduler would write it in place, and
+                # the learning rate would fall once a replica each step.
+                group[key] = value.clone()
     made = None
     if scheduler is not None:
         made = _made_by(

@@ -476,6 +476,60 @@ async def test_pin_memory_without_a_gpu_warns_and_trains_as_without_it() -> None
     assert_close(trainer.model, expected)
 
 
+async def test_a_tensor_learning_rate_in_the_factory_decays_once_a_step_on_every_device() -> None:
+    # The partial's one lr tensor was every replica's: each scheduler decayed it in place.
+    batches = make_batches([4, 4, 4])
+    sgd = functools.partial(torch.optim.SGD, lr=torch.tensor(0.1))
+    decay = functools.partial(torch.optim.lr_scheduler.ExponentialLR, gamma=0.5)
+    expected = reference(
+        batches, 2, functools.partial(torch.optim.SGD, lr=torch.tensor(0.1)), scheduler=decay
+    )
+    trainer = Trainer(
+        make_model(),
+        sgd,
+        loss_step,
+        devices=cpu_devices(2),
+        lr_scheduler=decay,
+        progress_bar=False,
+    )
+    await trainer.fit(batches, epochs=2)
+    lrs = [float(r.optimizer.param_groups[0]["lr"]) for r in trainer._replicas]
+    assert lrs == pytest.approx([0.025] * 2)  # 0.1 halved twice, not four times
+    assert_close(trainer.model, expected)
+    assert_replicas_identical(trainer)
+
+
+async def test_an_optimizer_factory_may_read_its_parameters_twice() -> None:
+    # Decay and no-decay groups: the factory got a generator, and the second group was empty.
+    def grouped(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(
+            [
+                {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            ],
+            lr=0.1,
+        )
+
+    batches = make_batches([4, 4])
+    expected = reference(batches, 1, lambda params: grouped(list(params)))
+    trainer = Trainer(make_model(), grouped, loss_step, devices=cpu_devices(2), progress_bar=False)
+    await trainer.fit(batches, epochs=1)
+    assert [len(g["params"]) for g in trainer._replicas[1].optimizer.param_groups] == [2, 2]
+    assert_close(trainer.model, expected)
+
+
+async def test_an_optimizer_factory_over_the_outer_model_is_refused() -> None:
+    # Every replica's optimizer stepped the first replica's parameters, and they drifted.
+    model = make_model()
+
+    def outer(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=0.1)
+
+    trainer = Trainer(model, outer, loss_step, devices=cpu_devices(2), progress_bar=False)
+    with pytest.raises(asyncddp.ConfigurationError, match="not those of the model it was given"):
+        await trainer.fit(make_batches([4]), epochs=1)
+
+
 async def test_fit_again_continues_training() -> None:
     batches = make_batches([4, 4])
     expected = reference(batches, 3, SGD)
