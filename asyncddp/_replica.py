@@ -143,6 +143,18 @@ def build_replica(
             f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer; "
             "give a factory such as functools.partial(torch.optim.SGD, lr=0.1)"
         )
+    if isinstance(opt, (torch.optim.LBFGS, torch.optim.SparseAdam)):
+        raise ConfigurationError(
+            f"{type(opt).__name__} cannot train here: "
+            + (
+                "it steps with a closure that runs the forward and backward again, and a "
+                "Trainer's step is one forward and backward a batch"
+                if isinstance(opt, torch.optim.LBFGS)
+                else "it takes sparse gradients only, and a Trainer reduces gradients as dense "
+                "buffers (an Embedding(sparse=True) trains with SGD or Adagrad)"
+            )
+            + "; give an optimizer that steps on gradients alone, such as torch.optim.AdamW"
+        )
     own = {id(p) for p in model.parameters()}
     if any(id(p) not in own for group in opt.param_groups for p in group["params"]):
         raise ConfigurationError(
@@ -166,6 +178,12 @@ def build_replica(
             "the lr_scheduler factory",
             "lr_scheduler makes one scheduler per replica from its optimizer, such as "
             "functools.partial(torch.optim.lr_scheduler.StepLR, step_size=10)",
+        )
+    if isinstance(made, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ConfigurationError(
+            "ReduceLROnPlateau steps on a metric, and a Trainer steps its LR scheduler without "
+            "one; give a scheduler that steps on its own (StepLR, CosineAnnealingLR, OneCycleLR, "
+            "...)"
         )
     return Replica(device, model, opt, made)
 

@@ -530,6 +530,35 @@ async def test_an_optimizer_factory_over_the_outer_model_is_refused() -> None:
         await trainer.fit(make_batches([4]), epochs=1)
 
 
+@pytest.mark.parametrize(
+    ("optimizer", "scheduler", "expected"),
+    [
+        (torch.optim.LBFGS, None, "LBFGS cannot train here: it steps with a closure"),
+        (torch.optim.SparseAdam, None, "SparseAdam cannot train here: it takes sparse"),
+        (SGD, torch.optim.lr_scheduler.ReduceLROnPlateau, "ReduceLROnPlateau steps on a metric"),
+    ],
+)
+async def test_an_optimizer_or_scheduler_that_cannot_train_here_is_refused_before_any_step(
+    optimizer: Any, scheduler: Any, expected: str
+) -> None:
+    # They were taken, and failed at the first step as a device's fault (retried with
+    # on_failure="retry"), or, ReduceLROnPlateau, with a bare TypeError after a whole epoch.
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = Trainer(
+        model,
+        optimizer,
+        loss_step,
+        devices=cpu_devices(2),
+        lr_scheduler=scheduler,
+        on_failure="retry",
+        progress_bar=False,
+    )
+    with pytest.raises(asyncddp.ConfigurationError, match=expected):
+        await trainer.fit(make_batches([4, 4]), epochs=1)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
 async def test_fit_again_continues_training() -> None:
     batches = make_batches([4, 4])
     expected = reference(batches, 3, SGD)
