@@ -12,11 +12,13 @@ import os
 import random
 import re
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 import torch
+from torch import nn
 from torch.utils.data import DataLoader
 
 from ._exceptions import CheckpointError
@@ -24,6 +26,7 @@ from ._exceptions import CheckpointError
 __all__ = [
     "capture_loader_rng",
     "capture_rng",
+    "check_fits",
     "checkpoint_name",
     "draws_base_seed",
     "latest_checkpoint",
@@ -85,6 +88,86 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"asyncddp reads version {VERSION}"
         )
     return state
+
+
+#: The entries resuming reads from every state (``Trainer.state_dict()``, a checkpoint).
+REQUIRED = ("model", "epoch", "global_step", "batches_done")
+
+
+def check_fits(
+    state: Mapping[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> None:
+    """Refuse, before anything of it is taken, a state that cannot load into this trainer.
+
+    A state lacking an entry every state has, a model state with other keys or shapes than
+    ``model`` (``trainer.model``), or an optimizer state with other parameter groups than
+    ``optimizer`` (the first replica's; ``None`` before a fit built one, when only the count
+    of parameters is checked, against ``model``'s trainable ones) raises
+    :class:`CheckpointError` and leaves the trainer as it was: a load that failed half way
+    would leave the position of one state and the weights of another.
+    """
+    if not isinstance(state, Mapping):
+        raise CheckpointError(
+            f"a trainer state is a dict (from Trainer.state_dict() or a checkpoint), "
+            f"not {type(state).__name__}"
+        )
+    missing = [key for key in REQUIRED if key not in state]
+    if missing:
+        raise CheckpointError(
+            f"the state has no {', '.join(repr(key) for key in missing)}: it is not from "
+            "Trainer.state_dict() or an asyncddp checkpoint (a model's own state_dict() "
+            "loads with trainer.model.load_state_dict())"
+        )
+    problems = _model_misfits(state["model"], model)
+    if problems:
+        raise CheckpointError(
+            f"the state's model does not fit trainer.model ({type(model).__name__}): "
+            + "; ".join(problems)
+        )
+    saved_optimizer = state.get("optimizer")
+    if saved_optimizer is None:
+        return
+    try:
+        saved = [len(group["params"]) for group in saved_optimizer["param_groups"]]
+    except (KeyError, TypeError):
+        raise CheckpointError(
+            "the state's optimizer is not an optimizer's state_dict() (it has no "
+            "param_groups, each with its params)"
+        ) from None
+    if optimizer is None:
+        trainable = sum(1 for p in model.parameters() if p.requires_grad)
+        fits = sum(saved) == trainable
+        mine = f"{trainable} trainable parameters in trainer.model"
+    else:
+        sizes = [len(group["params"]) for group in optimizer.param_groups]
+        fits = saved == sizes
+        mine = f"the trainer's optimizer {sizes}"
+    if not fits:
+        raise CheckpointError(
+            f"the state's optimizer does not fit this trainer's: parameter groups of "
+            f"{saved} parameters in the state, {mine}"
+        )
+
+
+def _model_misfits(saved: Any, model: nn.Module) -> list[str]:
+    if not isinstance(saved, Mapping):
+        return [f"its 'model' entry is {type(saved).__name__}, not a state_dict()"]
+    own = model.state_dict()
+    problems = []
+    for what, keys in (
+        ("missing", [key for key in own if key not in saved]),
+        ("unexpected", [key for key in saved if key not in own]),
+    ):
+        if keys:
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            problems.append(f"{what} keys {', '.join(keys[:3])}{more}")
+    for key, value in saved.items():
+        mine = own.get(key)
+        if isinstance(value, torch.Tensor) and mine is not None and value.shape != mine.shape:
+            problems.append(
+                f"{key} is {tuple(value.shape)} in the state, {tuple(mine.shape)} in the model"
+            )
+    return problems[:6]
 
 
 def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:

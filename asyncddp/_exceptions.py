@@ -11,7 +11,7 @@ keeps working::
     ├── ConfigurationError (ValueError)     a Trainer or fit argument that cannot work
     ├── DataError (ValueError)              data with no batches, or a batch that cannot be split
     ├── StepOutputError (TypeError)         a step function that returns no scalar loss
-    ├── CheckpointError                     a checkpoint that cannot be read
+    ├── CheckpointError                     a checkpoint that cannot be read or loaded
     ├── SchedulerClosedError (RuntimeError) a scheduler used outside ``async with``
     └── WorkerFailedError                   a device's job raised
         ├── WorkerTimeoutError              a device's job did not finish in time
@@ -87,7 +87,10 @@ class StepOutputError(AsyncDDPError, TypeError):
 
 
 class CheckpointError(AsyncDDPError):
-    """A checkpoint file is missing, truncated, corrupt, or not an asyncddp checkpoint."""
+    """A checkpoint file is missing, truncated, corrupt, or not an asyncddp checkpoint; or a
+    state (a checkpoint's or ``Trainer.state_dict()``'s) does not fit the trainer it is loaded
+    into: another model's, or another optimizer's parameter groups. A state refused so is not
+    taken in part: the trainer stays as it was."""
 
 
 class SchedulerClosedError(AsyncDDPError, RuntimeError):

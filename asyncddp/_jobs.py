@@ -22,7 +22,7 @@ from . import _comm
 from ._comm import Comm, Global
 from ._data import holds_cuda, move_to
 from ._exceptions import StepOutputError
-from ._replica import Replica, StepFunction, loss_and_metrics
+from ._replica import Replica, StepFunction, loss_and_metrics, mirror
 from ._sync import all_gather, all_reduce_chunk, clip_coefficient, reduce_scatter, scale_grads
 from ._worker import WorkerContext, after_job, leave_stream_running
 
@@ -555,6 +555,11 @@ class Jobs:
     def regroup(self, ctx: WorkerContext, work: tuple[int, bool]) -> None:
         parts, loose = work
         self.replicas[ctx.device.index].regroup(parts, ctx.device.index, loose=loose)
+
+    def mirror(self, ctx: WorkerContext, _: None) -> None:
+        """The first replica's values, ``requires_grad`` flags and modes, into this one."""
+        if ctx.device.index:
+            mirror(self.replicas[ctx.device.index], self.replicas[0])
 
     def snapshot(self, ctx: WorkerContext, wanted: bool) -> dict[str, Any] | None:
         """The first replica's state on the CPU (copied, so training may go on)."""

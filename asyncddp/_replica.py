@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,8 +24,10 @@ __all__ = [
     "SchedulerFactory",
     "StepFunction",
     "build_replica",
+    "check_rebuilt",
     "has_sparse_gradients",
     "loss_and_metrics",
+    "mirror",
 ]
 
 #: ``step(model, batch)`` returns the loss, or a mapping with ``"loss"``, optionally ``"items"``
@@ -49,6 +52,9 @@ class Replica:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # Every parameter as built, frozen ones too: a parameter added, removed or replaced
+        # since cannot be carried over to the other replicas or their optimizers (check_rebuilt).
+        self.built_params = tuple(model.parameters())
         self.buffers = list(model.buffers())
         self.grads = FlatGrads(self.params, 1, 0, loose=True)  # until regroup() says
         self.backup = StepBackup()
@@ -97,6 +103,68 @@ class Replica:
     def lr(self) -> float | None:
         groups = self.optimizer.param_groups
         return float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
+
+
+def check_rebuilt(replica: Replica) -> None:
+    """Refuse a model whose parameters are no longer those its replicas were built from.
+
+    Values, ``requires_grad`` and train/eval mode changed on ``trainer.model`` between calls
+    carry over to every replica (:func:`mirror`); a parameter added, removed or replaced (a new
+    layer, ``torch.nn.utils.parametrize``, ``module.weight = nn.Parameter(...)``) does not: the
+    optimizers hold the parameters they were built with, and the new one would never train.
+    """
+    now = list(replica.model.parameters())
+    built = replica.built_params
+    if len(now) == len(built) and all(a is b for a, b in zip(now, built, strict=True)):
+        trained = {id(p) for p in replica.params}
+        thawed = [
+            n
+            for n, p in replica.model.named_parameters()
+            if p.requires_grad and id(p) not in trained
+        ]
+        if thawed:
+            warnings.warn(
+                f"{', '.join(thawed[:3])}{', ...' if len(thawed) > 3 else ''} of trainer.model "
+                "requires grad now but did not when its replicas were built, so no optimizer "
+                "holds it and it is not trained; unfreeze it before the first fit, or build a "
+                "new Trainer",
+                UserWarning,
+                stacklevel=2,
+            )
+        return
+    names = {id(p): name for name, p in replica.model.named_parameters()}
+    new = [names[id(p)] for p in now if all(p is not b for b in built)]
+    raise ConfigurationError(
+        f"trainer.model's parameters are not those its replicas were built from "
+        f"({len(built)} then, {len(now)} now"
+        + (f"; new: {', '.join(new[:3])}{', ...' if len(new) > 3 else ''}" if new else "")
+        + "): a parameter was added, removed or replaced since the first fit. Changes to "
+        "values, requires_grad and train/eval mode carry over to every device; a changed set "
+        "of parameters needs a new Trainer (load this one's state into its model first: "
+        "model.load_state_dict(trainer.model.state_dict()))"
+    )
+
+
+def mirror(replica: Replica, first: Replica) -> None:
+    """Make ``replica`` what ``first`` (``trainer.model``) is now: its parameters' and
+    buffers' values, which parameters require grad, and every module's train/eval mode.
+
+    Runs on ``replica``'s worker before a fit or a validation, so that what a user changed on
+    ``trainer.model`` since the last call (weights loaded, a layer frozen, ``.eval()``) holds
+    on every device, as DDP's wrap does for its ranks. A copy from another GPU waits for the
+    work queued on both devices' current streams, as ``Tensor.copy_`` across devices does.
+    """
+    with torch.no_grad():
+        pairs = zip(replica.model.parameters(), first.model.parameters(), strict=True)
+        for param, first_param in pairs:
+            param.copy_(first_param)
+            param.requires_grad_(first_param.requires_grad)
+        for buffer, first_buffer in zip(
+            replica.model.buffers(), first.model.buffers(), strict=True
+        ):
+            buffer.copy_(first_buffer)
+    for module, source in zip(replica.model.modules(), first.model.modules(), strict=True):
+        module.training = source.training
 
 
 def has_sparse_gradients(model: nn.Module) -> bool:

@@ -68,7 +68,13 @@ class Resumable(Epochs):
         }
 
     def _adopt(self, state: Mapping[str, Any]) -> None:
-        """Take a saved state's position and RNG now; its tensors at the next session start."""
+        """Take a saved state's position and RNG now; its tensors at the next session start.
+        A state that does not fit is refused first, with nothing of it taken."""
+        first = self._replicas[0] if self._replicas else None
+        if first is None:
+            _checkpoint.check_fits(state, self._source, None)
+        else:
+            _checkpoint.check_fits(state, first.model, first.optimizer)
         self.epoch = int(state["epoch"])
         self.global_step = int(state["global_step"])
         self._batches_done = int(state["batches_done"])

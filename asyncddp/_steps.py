@@ -51,7 +51,7 @@ from ._jobs import (
     check_counts,
 )
 from ._precision import LossScaler
-from ._replica import Replica
+from ._replica import Replica, check_rebuilt
 from ._scheduler import StepScheduler
 from ._sync import clip_coefficient
 from ._worker import WorkerContext
@@ -141,6 +141,14 @@ class Steps:
     async def _regroup(self) -> None:
         """Re-cut every replica's gradients for the devices (and process group) there are now."""
         await self._run_all(self._jobs().regroup, (len(self.devices), self._lone()), phase="setup")
+
+    async def _mirror_first(self) -> None:
+        """Carry what was changed on ``trainer.model`` (the first replica) since the last call
+        over to the other replicas (see ``_replica.mirror``); refuse a changed set of
+        parameters (``_replica.check_rebuilt``). Before each fit and validation."""
+        check_rebuilt(self._replicas[0])
+        if len(self._replicas) > 1:
+            await self._run_all(self._jobs().mirror, phase="setup")
 
     def _apply_work(self, coefficient: float = 1.0, unused: tuple[int, ...] = ()) -> ApplyWork:
         """The next optimizer step's work, under a new apply id."""

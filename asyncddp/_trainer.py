@@ -42,7 +42,7 @@ import anyio
 import torch
 from torch import nn
 
-from . import _comm, _devices, distributed
+from . import _checkpoint, _comm, _devices, distributed
 from ._checks import (
     MAX_THREADS,
     check_bool,
@@ -583,7 +583,17 @@ class Trainer(Resumable):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load a state from :meth:`state_dict` or a checkpoint, into every replica."""
+        """Load a state from :meth:`state_dict` or a checkpoint, into every replica.
+
+        Call it while no fit, validation or checkpoint runs.
+
+        Raises:
+            CheckpointError: the state does not fit this trainer (another model's keys or
+                shapes, another optimizer's parameter groups, or not a trainer's state at
+                all). Nothing of it is taken: the position, weights and optimizer stay.
+            ConfigurationError: a fit, validation or checkpoint is running.
+        """
+        self._refuse_if_running()
         self._adopt(state)
         if self._replicas:
             pending, self._pending_state = self._pending_state, None
@@ -640,6 +650,10 @@ class Trainer(Resumable):
                 for replica in self._replicas:  # changed through .data since? (no worker runs)
                     replica.backup.forget_ahead()
                 if self._pending_state is not None:
+                    # Loaded before the replicas were built: only now is there an optimizer to
+                    # check the state's parameter groups against (the position is taken).
+                    first = self._replicas[0]
+                    _checkpoint.check_fits(self._pending_state, first.model, first.optimizer)
                     state, self._pending_state = self._pending_state, None
                     await self._scheduler_run(
                         self._jobs().load, [state] * len(self.devices), phase="setup"
@@ -647,6 +661,7 @@ class Trainer(Resumable):
                 if self._window_open:  # a step cancelled or failed last time: undo it first
                     await self._abandon()
                 if kind in ("fit", "validate"):  # every rank is in these, none in a checkpoint
+                    await self._mirror_first()  # what the user changed on trainer.model since
                     await self._take_rank_0s_model()
             yield scheduler
             ended = True

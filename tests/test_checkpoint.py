@@ -1,0 +1,199 @@
+"""A state that does not fit the trainer is refused whole, before any of it is taken.
+
+``Trainer.load_state_dict`` and ``fit(resume=...)`` take the position first and the tensors
+after; before ``_checkpoint.check_fits``, a state of another model or optimizer raised half
+way (torch's own RuntimeError, ValueError or a KeyError), after the epoch, step and history,
+and on several devices the first replica's weights, had been replaced: the next fit went on
+from another run's position with a mix of two runs' replicas.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncddp import CheckpointError, ConfigurationError, StepEnded, Trainer, cpu_devices
+
+pytestmark = pytest.mark.anyio
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def batches(n: int = 3, out_features: int = 2) -> list[Batch]:
+    generator = torch.Generator().manual_seed(3)
+    inputs = torch.randn(6, 4, generator=generator)
+    return [(inputs, torch.randn(6, out_features, generator=generator))] * n
+
+
+def step(model: nn.Module, batch: Batch) -> torch.Tensor:
+    return F.mse_loss(model(batch[0]), batch[1])
+
+
+def make_trainer(devices: int, out_features: int = 2) -> Trainer:
+    torch.manual_seed(0)
+    model = nn.Linear(4, out_features)
+    return Trainer(model, SGD, step, devices=cpu_devices(devices), progress_bar=False)
+
+
+def what_it_holds(trainer: Trainer) -> dict[str, Any]:
+    """Everything a load may change: position, weights of every replica, optimizer state."""
+    state = trainer.state_dict()
+    del state["rng"]  # the generators move on by themselves
+    del state["epoch_seconds"]  # and the clock
+    state["history"] = [{k: v for k, v in r.items() if k != "seconds"} for r in state["history"]]
+    replicas = [r.model.state_dict() for r in trainer._replicas] or [trainer.model.state_dict()]
+    return copy.deepcopy({**state, "replicas": replicas})
+
+
+def assert_same(actual: Any, expected: Any) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(actual, expected)
+    elif isinstance(expected, dict):
+        assert actual.keys() == expected.keys()
+        for key in expected:
+            assert_same(actual[key], expected[key])
+    elif isinstance(expected, list | tuple):
+        assert len(actual) == len(expected)
+        for a, b in zip(actual, expected, strict=True):
+            assert_same(a, b)
+    else:
+        assert actual == expected
+
+
+def another_model(state: dict[str, Any]) -> dict[str, Any]:
+    return {**state, "model": {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}}
+
+
+def missing_bias(state: dict[str, Any]) -> dict[str, Any]:
+    return {**state, "model": {"weight": state["model"]["weight"]}}
+
+
+def extra_key(state: dict[str, Any]) -> dict[str, Any]:
+    return {**state, "model": {**state["model"], "scale": torch.ones(1)}}
+
+
+def another_optimizer(state: dict[str, Any]) -> dict[str, Any]:
+    # One parameter where the trainer's optimizer has two: found before any fit builds one too
+    # (the total is checked then; how a state groups them, once the replicas are built).
+    optimizer = {"state": {}, "param_groups": [{"params": [0], "lr": 0.1}]}
+    return {**state, "optimizer": optimizer}
+
+
+def no_step_count(state: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in state.items() if key != "global_step"}
+
+
+def a_model_state(state: dict[str, Any]) -> dict[str, Any]:
+    return dict(state["model"])  # a model's own state_dict(), given to the trainer
+
+
+BAD: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], str]] = {
+    "another model": (another_model, r"weight is \(3, 4\) in the state, \(2, 4\) in the model"),
+    "missing key": (missing_bias, "missing keys bias"),
+    "unexpected key": (extra_key, "unexpected keys scale"),
+    "another optimizer": (another_optimizer, "the state's optimizer does not fit"),
+    "no step count": (no_step_count, "the state has no 'global_step'"),
+    "a model's own state": (a_model_state, "trainer.model.load_state_dict"),
+}
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("built", [True, False], ids=["after-a-fit", "before-any-fit"])
+@pytest.mark.parametrize("bad", list(BAD))
+async def test_a_state_that_does_not_fit_is_refused_and_nothing_of_it_is_taken(
+    bad: str, built: bool, devices: int
+) -> None:
+    donor = make_trainer(devices)
+    await donor.fit(batches(), epochs=1)
+    corrupt, message = BAD[bad]
+    state = corrupt(donor.state_dict())
+
+    trainer, twin = make_trainer(devices), make_trainer(devices)
+    if built:
+        for each in (trainer, twin):
+            await each.fit(batches(), epochs=2)
+    before = what_it_holds(trainer)
+    with pytest.raises(CheckpointError, match=message):
+        trainer.load_state_dict(state)
+    assert_same(what_it_holds(trainer), before)
+
+    # ... and it trains on as the twin that never saw the state.
+    for each in (trainer, twin):
+        await each.fit(batches(), epochs=3)
+    assert_same(what_it_holds(trainer), what_it_holds(twin))
+
+
+async def test_resuming_from_another_model_s_checkpoint_is_refused_before_fit_moves(
+    tmp_path: Path,
+) -> None:
+    other = make_trainer(2, out_features=3)
+    await other.fit(batches(out_features=3), epochs=1)
+    path = await other.save_checkpoint(tmp_path / "other.ckpt")
+    trainer = make_trainer(2)
+    await trainer.fit(batches(), epochs=2)
+    before = what_it_holds(trainer)
+    with pytest.raises(CheckpointError, match=r"does not fit trainer\.model"):
+        await trainer.fit(batches(), epochs=4, resume=path)
+    assert_same(what_it_holds(trainer), before)
+
+
+async def test_a_state_that_fits_still_loads_whole() -> None:
+    donor = make_trainer(2)
+    await donor.fit(batches(), epochs=2)
+    trainer = make_trainer(2)
+    await trainer.fit(batches(), epochs=1)
+    trainer.load_state_dict(donor.state_dict())
+    assert (trainer.epoch, trainer.global_step) == (2, 6)
+    assert_same(what_it_holds(trainer)["replicas"], what_it_holds(donor)["replicas"])
+
+
+async def test_a_state_is_not_loaded_while_a_fit_runs() -> None:
+    trainer = make_trainer(2)
+    await trainer.fit(batches(), epochs=1)
+    state = trainer.state_dict()
+    refused: list[BaseException] = []
+    stream = trainer.events()
+
+    async def load_during_the_fit() -> None:
+        async for event in stream:
+            if isinstance(event, StepEnded):
+                with pytest.raises(ConfigurationError, match="fit is already running") as error:
+                    trainer.load_state_dict(state)
+                refused.append(error.value)
+                return
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(load_during_the_fit)
+        await trainer.fit(batches(), epochs=3)
+    assert refused
+    assert trainer.epoch == 3
+
+
+async def test_a_state_grouped_otherwise_loaded_before_any_fit_is_refused_as_the_fit_starts() -> (
+    None
+):
+    # Before a fit there is no optimizer to check the groups against, only the count; the
+    # first fit builds one and refuses the state then, before any step, naming the state.
+    donor = make_trainer(1)
+    await donor.fit(batches(), epochs=1)
+    state = donor.state_dict()
+    groups = [{**state["optimizer"]["param_groups"][0], "params": [i]} for i in (0, 1)]
+    regrouped = {**state, "optimizer": {**state["optimizer"], "param_groups": groups}}
+    trainer = make_trainer(2)
+    trainer.load_state_dict(regrouped)
+    for _ in range(2):  # and again: the state is not dropped half taken
+        with pytest.raises(CheckpointError, match=r"\[1, 1\] parameters in the state"):
+            await trainer.fit(batches(), epochs=2)
+    trainer.load_state_dict(state)
+    await trainer.fit(batches(), epochs=2)
+    assert trainer.global_step == 6

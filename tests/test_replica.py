@@ -1,0 +1,168 @@
+"""What a user changes on ``trainer.model`` between calls holds on every device.
+
+``trainer.model`` is the first device's replica. Weights loaded into it, a layer frozen or
+thawed, ``.eval()``: each must reach the other replicas before the next fit or validation, or
+the replicas train apart (each test here failed before ``_replica.mirror``: the second device
+kept its own weights, flags and modes).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncddp import ConfigurationError, Trainer, cpu_devices
+
+pytestmark = pytest.mark.anyio
+
+FEATURES = 6
+SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def make_model(seed: int = 0, *, dropout: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 3))
+
+
+def make_batches(sizes: list[int], seed: int = 1) -> list[Batch]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(n, FEATURES, generator=generator),
+            torch.randint(0, 3, (n,), generator=generator),
+        )
+        for n in sizes
+    ]
+
+
+def loss_step(model: nn.Module, batch: Batch) -> torch.Tensor:
+    inputs, targets = batch
+    return F.cross_entropy(model(inputs), targets)
+
+
+def plain_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Batch]) -> None:
+    for batch in batches:
+        optimizer.zero_grad()
+        loss_step(model, batch).backward()
+        optimizer.step()
+
+
+def assert_matches(trainer: Trainer, expected: nn.Module) -> None:
+    """Every replica equals ``expected`` (float tolerance: the batch is split across devices)."""
+    want = expected.state_dict()
+    for replica in trainer._replicas:
+        for name, value in replica.model.state_dict().items():
+            torch.testing.assert_close(
+                value, want[name], rtol=1e-5, atol=1e-6, msg=f"{name} on {replica.device}"
+            )
+
+
+def trainer_on(devices: int, model: nn.Module) -> Trainer:
+    return Trainer(model, SGD, loss_step, devices=cpu_devices(devices), progress_bar=False)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 3])
+async def test_weights_loaded_into_trainer_model_between_fits_train_on_every_device(
+    devices: int,
+) -> None:
+    batches = make_batches([7, 6, 5])
+    loaded = make_model(seed=5).state_dict()
+    expected = make_model()
+    optimizer = SGD(expected.parameters())
+    plain_epoch(expected, optimizer, batches)
+    expected.load_state_dict(loaded)
+    plain_epoch(expected, optimizer, batches)
+
+    trainer = trainer_on(devices, make_model())
+    await trainer.fit(batches, epochs=1)
+    trainer.model.load_state_dict(loaded)
+    await trainer.fit(batches, epochs=2)
+    assert_matches(trainer, expected)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_a_layer_frozen_between_fits_stays_frozen_on_every_device(devices: int) -> None:
+    batches = make_batches([7, 6, 5])
+    expected = make_model()
+    optimizer = SGD(expected.parameters())
+    plain_epoch(expected, optimizer, batches)
+    expected[0].requires_grad_(False)
+    plain_epoch(expected, optimizer, batches)  # SGD skips a parameter whose .grad is None
+
+    trainer = trainer_on(devices, make_model())
+    await trainer.fit(batches, epochs=1)
+    trainer.model[0].requires_grad_(False)
+    frozen = trainer.model[0].weight.detach().clone()
+    await trainer.fit(batches, epochs=2)
+    assert torch.equal(trainer.model[0].weight, frozen)
+    assert_matches(trainer, expected)
+    assert all(not r.model[0].weight.requires_grad for r in trainer._replicas)
+
+
+async def test_eval_mode_set_between_fits_holds_on_every_device() -> None:
+    batches = make_batches([8, 8])
+    seen: list[bool] = []
+    lock = threading.Lock()
+
+    def step(model: nn.Module, batch: Batch) -> torch.Tensor:
+        with lock:
+            seen.append(model[2].training)
+        return loss_step(model, batch)
+
+    trainer = Trainer(
+        make_model(dropout=0.5), SGD, step, devices=cpu_devices(2), progress_bar=False
+    )
+    await trainer.fit(batches, epochs=1)
+    assert seen == [True] * 4
+    seen.clear()
+    trainer.model.eval()  # as a plain loop may train with dropout off
+    await trainer.fit(batches, epochs=2)
+    assert seen == [False] * 4, "a device trained with dropout on"
+    await trainer.validate(batches)  # validation puts back the modes it found
+    assert [r.model.training for r in trainer._replicas] == [False, False]
+
+
+async def test_validation_after_weights_are_loaded_scores_those_weights_on_every_device() -> None:
+    batches = make_batches([7, 6])
+    trainer = trainer_on(3, make_model())
+    await trainer.fit(batches, epochs=1)
+    other = make_model(seed=9)
+    trainer.model.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        inputs = torch.cat([b[0] for b in batches])
+        targets = torch.cat([b[1] for b in batches])
+        expected = F.cross_entropy(other(inputs), targets).item()
+    result = await trainer.validate(batches)
+    assert result["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_a_parameter_replaced_between_fits_is_refused_before_any_step(devices: int) -> None:
+    batches = make_batches([4])
+    trainer = trainer_on(devices, make_model())
+    await trainer.fit(batches, epochs=1)
+    original = trainer.model[3]
+    trainer.model[3] = nn.Linear(16, 3)  # no optimizer holds its parameters
+    with pytest.raises(ConfigurationError, match="not those its replicas were built from"):
+        await trainer.fit(batches, epochs=2)
+    assert trainer.global_step == 1
+    trainer.model[3] = original
+    await trainer.fit(batches, epochs=2)
+    assert trainer.global_step == 2
+
+
+async def test_a_parameter_thawed_after_the_first_fit_warns_that_it_is_not_trained() -> None:
+    batches = make_batches([4])
+    model = make_model()
+    model[0].requires_grad_(False)
+    trainer = trainer_on(2, model)
+    await trainer.fit(batches, epochs=1)
+    trainer.model[0].requires_grad_(True)
+    with pytest.warns(UserWarning, match=r"0\.weight, 0\.bias of trainer.model requires grad"):
+        await trainer.fit(batches, epochs=2)
