@@ -213,6 +213,40 @@ def pin(value: Any) -> Any:
     return value
 
 
+def no_batches(name: str, data: object, *, training: bool, counted: bool = False) -> DataError:
+    """The error for data that yielded nothing to train or validate on, with the likely cause:
+    a ``DataLoader`` whose ``drop_last`` dropped its only, short batch."""
+    message = (
+        f"{name} yielded no batches; give at least one batch per epoch"
+        if training
+        else f"{name} yielded no items; give at least one batch"
+        + (" (the step's 'items' were all 0)" if counted else "")
+    )
+    if isinstance(data, torch.utils.data.DataLoader) and data.drop_last:
+        dataset = data.dataset
+        size = len(dataset) if isinstance(dataset, Sized) else None
+        if size is not None and data.batch_size is not None and size < data.batch_size:
+            message += (
+                f" (its dataset has {size} items, fewer than batch_size={data.batch_size}, and "
+                "drop_last=True drops that batch: a smaller batch_size, or drop_last=False)"
+            )
+    return DataError(message)
+
+
+def empty_up_front(data: object) -> bool:
+    """Whether ``data`` says, without being read, that it holds no batch: an empty list or
+    tuple, or a ``DataLoader`` whose ``len()`` is 0. (Other data is only known empty once
+    read.)"""
+    if isinstance(data, (list, tuple)):
+        return not data
+    if isinstance(data, torch.utils.data.DataLoader):
+        try:
+            return len(data) == 0
+        except TypeError:  # an IterableDataset without a length
+            return False
+    return False
+
+
 def is_batch_list(data: object) -> bool:
     """Whether ``data`` is a list or tuple iterated as one (a subclass may iterate otherwise,
     lazily): batches in memory already, which can be read, and counted, without blocking."""

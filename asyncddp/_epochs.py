@@ -25,10 +25,10 @@ from tqdm.auto import tqdm
 
 from . import _checkpoint, _comm
 from ._comm import PeerFailed, RankLost
-from ._data import check_batch, pin
+from ._data import check_batch, no_batches, pin
 from ._dsteps import DistributedSteps
 from ._events import EpochEnded, StepEnded, ValidationEnded
-from ._exceptions import ConfigurationError, DataError, StepOutputError, WorkerFailedError
+from ._exceptions import ConfigurationError, StepOutputError, WorkerFailedError
 from ._jobs import Jobs, Sums, check_counts
 from ._loader import ENDED, GAVE_UP, Prefetcher, after_left_behind
 from ._progress import ProgressTracker
@@ -289,7 +289,7 @@ class Epochs(DistributedSteps):
         self._loader_rng = _checkpoint.capture_loader_rng(data)  # for a checkpoint from here
         sums = self._epoch_sums  # across ranks: a rank may have no batch of its own
         if (sums.items == 0 and not sums.counted) if self._distributed() else (seen == 0):
-            raise DataError("train_data yielded no batches; give at least one batch per epoch")
+            raise no_batches("train_data", data, training=True)
         self._epoch_trained = True
         record = self._epoch_record(epoch)
         if not math.isfinite(record.train_loss) and not self.check_finite:
@@ -458,10 +458,7 @@ class Epochs(DistributedSteps):
             totals = Sums(result.items, result.loss, dict(result.metrics), counted=totals.counted)
         items = totals.items  # the shards' sizes, or the counts the step gave ("items")
         if items == 0:
-            raise DataError(
-                f"{name} yielded no items; give at least one batch"
-                + (" (the step's 'items' were all 0)" if totals.counted else "")
-            )
+            raise no_batches(name, data, training=False, counted=totals.counted)
         metrics = {"loss": totals.loss / items, **{k: v / items for k, v in totals.metrics.items()}}
         _log.info("validation: %s over %d items", _format(metrics), items)
         self._hub.publish(ValidationEnded(epoch, dict(metrics), items))

@@ -51,6 +51,7 @@ from ._checks import (
     check_positive,
     check_seconds,
 )
+from ._data import empty_up_front, no_batches
 from ._devices import CPU_HINT, Device, DeviceSpec, resolve_devices
 from ._epochs import EpochRecord
 from ._events import (
@@ -779,8 +780,11 @@ def _check_data(data: Iterable[Any], name: str, passes: int) -> None:
     """Refuse, before any work, a map-style ``Dataset`` iterated through ``__getitem__`` (its
     items are samples, not batches: a sample of features and a class label would pass for a
     batch of as many items as there are features; one with an ``__iter__`` of its own is taken
-    as it is) and an iterator that would have to be read ``passes`` > 1 times (its second epoch
-    would find it used up)."""
+    as it is), an iterator that would have to be read ``passes`` > 1 times (its second epoch
+    would find it used up), and data known to be empty (``name`` "train_data" is trained on,
+    the others validated on)."""
+    if empty_up_front(data):  # before any work: an empty validation set failed after an epoch
+        raise no_batches(name, data, training=name == "train_data")
     kind: type = type(data)  # a type, not narrowed: mypy finds Iterable and Dataset at odds
     if issubclass(kind, torch.utils.data.Dataset) and getattr(kind, "__iter__", None) is None:
         raise DataError(

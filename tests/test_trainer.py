@@ -1152,6 +1152,32 @@ async def test_bad_data_is_a_clear_error(data: Any, message: str) -> None:
         await trainer.fit(data, epochs=1)
 
 
+@pytest.mark.parametrize("where", ["train_data", "valid_data", "validate"])
+async def test_an_empty_data_loader_is_refused_before_any_step_with_its_cause(where: str) -> None:
+    # drop_last=True with fewer items than batch_size: len(loader) == 0. An empty validation
+    # loader was found only once a whole epoch had trained.
+    dataset = torch.utils.data.TensorDataset(
+        torch.zeros(10, FEATURES), torch.zeros(10, dtype=torch.long)
+    )
+    empty = torch.utils.data.DataLoader(dataset, batch_size=16, drop_last=True)
+    steps: list[int] = []
+
+    def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        steps.append(1)
+        return loss_step(model, batch)
+
+    trainer = Trainer(make_model(), SGD, step, devices=cpu_devices(2), progress_bar=False)
+    calls = {
+        "train_data": lambda: trainer.fit(empty, epochs=1),
+        "valid_data": lambda: trainer.fit(make_batches([4, 4]), epochs=1, valid_data=empty),
+        "validate": lambda: trainer.validate(empty),
+    }
+    with pytest.raises(DataError, match=r"10 items, fewer than batch_size=16, and drop_last=True"):
+        await calls[where]()
+    assert steps == []
+    assert trainer.global_step == 0
+
+
 @pytest.mark.parametrize(
     "targets",
     [
