@@ -8,11 +8,12 @@ tensors, numbers, strings and containers only, no arbitrary code.
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,6 +28,7 @@ __all__ = [
     "capture_loader_rng",
     "capture_rng",
     "check_fits",
+    "check_optimizer_fits",
     "checkpoint_name",
     "draws_base_seed",
     "latest_checkpoint",
@@ -94,17 +96,19 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
 REQUIRED = ("model", "epoch", "global_step", "batches_done")
 
 
-def check_fits(
-    state: Mapping[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None
-) -> None:
+def check_fits(state: Mapping[str, Any], model: nn.Module, optimizer: Callable[[Any], Any]) -> None:
     """Refuse, before anything of it is taken, a state that cannot load into this trainer.
 
-    A state lacking an entry every state has, a model state with other keys or shapes than
-    ``model`` (``trainer.model``), or an optimizer state with other parameter groups than
-    ``optimizer`` (the first replica's; ``None`` before a fit built one, when only the count
-    of parameters is checked, against ``model``'s trainable ones) raises
-    :class:`CheckpointError` and leaves the trainer as it was: a load that failed half way
-    would leave the position of one state and the weights of another.
+    A state lacking an entry every state has, a model state that ``model`` (``trainer.model``)
+    does not load, or an optimizer state that an optimizer made by the factory ``optimizer``
+    does not load, raises :class:`CheckpointError` and leaves the trainer as it was: a load
+    that failed half way would leave the position of one state and the weights of another.
+
+    Both are tried for real, by torch, on a copy of ``model`` whose tensors are on the meta
+    device (shapes only, no memory, no copy of the weights), so that what torch's own loads
+    accept passes: load hooks that rename keys, lazy modules, extra state. A factory that
+    cannot build an optimizer over meta tensors (``fused=True``, say) leaves the optimizer's
+    groups to the check at the next session start (:func:`check_optimizer_fits`).
     """
     if not isinstance(state, Mapping):
         raise CheckpointError(
@@ -118,56 +122,60 @@ def check_fits(
             "Trainer.state_dict() or an asyncddp checkpoint (a model's own state_dict() "
             "loads with trainer.model.load_state_dict())"
         )
-    problems = _model_misfits(state["model"], model)
-    if problems:
+    probe = _on_meta(model)
+    try:
+        probe_optimizer = optimizer([p for p in probe.parameters() if p.requires_grad])
+    except Exception:  # it builds for real devices only; the session start checks then
+        probe_optimizer = None
+    try:
+        probe.load_state_dict(state["model"], assign=True)
+    except Exception as error:
         raise CheckpointError(
-            f"the state's model does not fit trainer.model ({type(model).__name__}): "
-            + "; ".join(problems)
-        )
+            f"the state's model does not load into trainer.model: {error}"
+        ) from error
     saved_optimizer = state.get("optimizer")
-    if saved_optimizer is None:
+    if saved_optimizer is None or not isinstance(probe_optimizer, torch.optim.Optimizer):
         return
     try:
-        saved = [len(group["params"]) for group in saved_optimizer["param_groups"]]
+        probe_optimizer.load_state_dict(saved_optimizer)
+    except Exception as error:
+        raise CheckpointError(
+            f"the state's optimizer does not load into this trainer's: {error}"
+        ) from error
+
+
+def check_optimizer_fits(saved: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a saved optimizer state whose parameter groups are not ``optimizer``'s, as
+    ``Optimizer.load_state_dict`` would (before it changes anything)."""
+    try:
+        sizes = [len(group["params"]) for group in saved["param_groups"]]
     except (KeyError, TypeError):
         raise CheckpointError(
             "the state's optimizer is not an optimizer's state_dict() (it has no "
             "param_groups, each with its params)"
         ) from None
-    if optimizer is None:
-        trainable = sum(1 for p in model.parameters() if p.requires_grad)
-        fits = sum(saved) == trainable
-        mine = f"{trainable} trainable parameters in trainer.model"
-    else:
-        sizes = [len(group["params"]) for group in optimizer.param_groups]
-        fits = saved == sizes
-        mine = f"the trainer's optimizer {sizes}"
-    if not fits:
+    mine = [len(group["params"]) for group in optimizer.param_groups]
+    if sizes != mine:
         raise CheckpointError(
-            f"the state's optimizer does not fit this trainer's: parameter groups of "
-            f"{saved} parameters in the state, {mine}"
+            f"the state's optimizer does not fit this trainer's: parameter groups of {sizes} "
+            f"parameters in the state, {mine} in the trainer's optimizer. Load a state saved "
+            "with the same optimizer factory, or build the Trainer with that factory"
         )
 
 
-def _model_misfits(saved: Any, model: nn.Module) -> list[str]:
-    if not isinstance(saved, Mapping):
-        return [f"its 'model' entry is {type(saved).__name__}, not a state_dict()"]
-    own = model.state_dict()
-    problems = []
-    for what, keys in (
-        ("missing", [key for key in own if key not in saved]),
-        ("unexpected", [key for key in saved if key not in own]),
-    ):
-        if keys:
-            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-            problems.append(f"{what} keys {', '.join(keys[:3])}{more}")
-    for key, value in saved.items():
-        mine = own.get(key)
-        if isinstance(value, torch.Tensor) and mine is not None and value.shape != mine.shape:
-            problems.append(
-                f"{key} is {tuple(value.shape)} in the state, {tuple(mine.shape)} in the model"
-            )
-    return problems[:6]
+def _on_meta(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are empty tensors on the meta device."""
+    memo: dict[int, Any] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if nn.parameter.is_lazy(tensor):
+            continue  # a lazy module's: no data to leave behind
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = (
+            nn.Parameter(meta, requires_grad=tensor.requires_grad)
+            if isinstance(tensor, nn.Parameter)
+            else meta
+        )
+    return copy.deepcopy(model, memo)
 
 
 def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:

@@ -577,8 +577,10 @@ class Jobs:
 
 
 def load_into(replica: Replica, state: Mapping[str, Any]) -> None:
-    """Load a trainer state's model, optimizer and LR scheduler into one replica."""
-    replica.model.load_state_dict(state["model"])
+    """Load a trainer state's model (unless ``None``: loaded into the model the replicas were
+    copied from), optimizer and LR scheduler into one replica."""
+    if state.get("model") is not None:
+        replica.model.load_state_dict(state["model"])
     if state.get("optimizer") is not None:
         # A private copy: Optimizer.load_state_dict keeps tensors that already match the
         # parameters' device and dtype, and replicas must never share optimizer state.

@@ -8,8 +8,8 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -105,49 +105,64 @@ class Replica:
         return float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
 
 
-def check_rebuilt(replica: Replica) -> None:
-    """Refuse a model whose parameters are no longer those its replicas were built from.
+def check_rebuilt(replicas: Sequence[Replica]) -> None:
+    """Refuse a ``trainer.model`` (``replicas[0]``) that no longer has the parts its replicas
+    were built with; warn of a parameter thawed since.
 
-    Values, ``requires_grad`` and train/eval mode changed on ``trainer.model`` between calls
-    carry over to every replica (:func:`mirror`); a parameter added, removed or replaced (a new
-    layer, ``torch.nn.utils.parametrize``, ``module.weight = nn.Parameter(...)``) does not: the
-    optimizers hold the parameters they were built with, and the new one would never train.
+    Values, ``requires_grad``, train/eval mode and extra state changed on ``trainer.model``
+    between calls carry over to every replica (:func:`mirror`), and so does a frozen parameter
+    replaced by one of its shape (``module.weight = nn.Parameter(pretrained, requires_grad=
+    False)``). A trained parameter replaced, or a parameter, module or buffer added or removed
+    (a new layer, ``torch.nn.utils.parametrize``) does not: the optimizers hold the parameters
+    they were built with, and the other replicas have no place for the new part.
     """
-    now = list(replica.model.parameters())
-    built = replica.built_params
-    if len(now) == len(built) and all(a is b for a, b in zip(now, built, strict=True)):
-        trained = {id(p) for p in replica.params}
-        thawed = [
-            n
-            for n, p in replica.model.named_parameters()
-            if p.requires_grad and id(p) not in trained
-        ]
-        if thawed:
-            warnings.warn(
-                f"{', '.join(thawed[:3])}{', ...' if len(thawed) > 3 else ''} of trainer.model "
-                "requires grad now but did not when its replicas were built, so no optimizer "
-                "holds it and it is not trained; unfreeze it before the first fit, or build a "
-                "new Trainer",
-                UserWarning,
-                stacklevel=2,
+    first = replicas[0]
+    now = list(first.model.parameters())
+    built = first.built_params
+    trained = {id(p) for p in first.params}
+    names = {id(p): name for name, p in first.model.named_parameters()}
+    if len(now) != len(built):
+        _refuse(f"it had {len(built)} parameters, and has {len(now)} now")
+    for param, was in zip(now, built, strict=True):
+        if param is not was and (id(was) in trained or param.shape != was.shape):
+            _refuse(
+                f"{names[id(param)]} is another parameter now"
+                + (", one of another shape" if param.shape != was.shape else " (a trained one)")
             )
-        return
-    names = {id(p): name for name, p in replica.model.named_parameters()}
-    new = [names[id(p)] for p in now if all(p is not b for b in built)]
+    modules = sum(1 for _ in first.model.modules())
+    buffers = [tuple(b.shape) for b in first.model.buffers()]
+    for other in replicas[1:]:
+        if sum(1 for _ in other.model.modules()) != modules:
+            _refuse("a module was added or removed")
+        if [tuple(b.shape) for b in other.model.buffers()] != buffers:
+            _refuse("a buffer was registered, removed or reshaped")
+    first.buffers = list(first.model.buffers())  # one replaced since (a running mean assigned)
+    thawed = [names[id(p)] for p in now if p.requires_grad and id(p) not in trained]
+    if thawed:
+        warnings.warn(
+            f"{', '.join(thawed[:3])}{', ...' if len(thawed) > 3 else ''} of trainer.model "
+            "requires grad now but did not when its replicas were built, so no optimizer "
+            "holds it and it is not trained; unfreeze it before the first fit, or build a "
+            "new Trainer",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+def _refuse(what: str) -> NoReturn:
     raise ConfigurationError(
-        f"trainer.model's parameters are not those its replicas were built from "
-        f"({len(built)} then, {len(now)} now"
-        + (f"; new: {', '.join(new[:3])}{', ...' if len(new) > 3 else ''}" if new else "")
-        + "): a parameter was added, removed or replaced since the first fit. Changes to "
-        "values, requires_grad and train/eval mode carry over to every device; a changed set "
-        "of parameters needs a new Trainer (load this one's state into its model first: "
-        "model.load_state_dict(trainer.model.state_dict()))"
+        f"trainer.model is not made of the parts its replicas were built from: {what}. "
+        "Changes to its values, requires_grad, train/eval mode and extra state carry over to "
+        "every device, and so does a frozen parameter swapped for one of its shape; a changed "
+        "set of parameters, modules or buffers needs a new Trainer over the changed model "
+        "(whose optimizers start afresh)"
     )
 
 
 def mirror(replica: Replica, first: Replica) -> None:
     """Make ``replica`` what ``first`` (``trainer.model``) is now: its parameters' and
-    buffers' values, which parameters require grad, and every module's train/eval mode.
+    buffers' values, which parameters require grad, and every module's train/eval mode and
+    extra state (``get_extra_state``).
 
     Runs on ``replica``'s worker before a fit or a validation, so that what a user changed on
     ``trainer.model`` since the last call (weights loaded, a layer frozen, ``.eval()``) holds
@@ -165,6 +180,9 @@ def mirror(replica: Replica, first: Replica) -> None:
             buffer.copy_(first_buffer)
     for module, source in zip(replica.model.modules(), first.model.modules(), strict=True):
         module.training = source.training
+        if type(source).get_extra_state is not nn.Module.get_extra_state:
+            module.set_extra_state(copy.deepcopy(source.get_extra_state()))
+    replica.buffers = list(replica.model.buffers())
 
 
 def has_sparse_gradients(model: nn.Module) -> bool:

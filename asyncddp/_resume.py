@@ -29,6 +29,7 @@ from ._events import CheckpointSaved
 from ._exceptions import ConfigurationError
 from ._jobs import Sums
 from ._precision import LossScaler
+from ._replica import OptimizerFactory
 
 __all__ = ["Resumable"]
 
@@ -39,6 +40,7 @@ class Resumable(Epochs):
     """Position, checkpoints and resuming for :class:`Trainer` (a mixin)."""
 
     _source: nn.Module
+    _optimizer_factory: OptimizerFactory
     _pending_state: dict[str, Any] | None
     _window: int
     _last_iterator: Callable[[], Any] | None
@@ -70,11 +72,8 @@ class Resumable(Epochs):
     def _adopt(self, state: Mapping[str, Any]) -> None:
         """Take a saved state's position and RNG now; its tensors at the next session start.
         A state that does not fit is refused first, with nothing of it taken."""
-        first = self._replicas[0] if self._replicas else None
-        if first is None:
-            _checkpoint.check_fits(state, self._source, None)
-        else:
-            _checkpoint.check_fits(state, first.model, first.optimizer)
+        model = self._replicas[0].model if self._replicas else self._source
+        _checkpoint.check_fits(state, model, self._optimizer_factory)
         self.epoch = int(state["epoch"])
         self.global_step = int(state["global_step"])
         self._batches_done = int(state["batches_done"])
@@ -104,6 +103,9 @@ class Resumable(Epochs):
         self._last_iterator = None  # the loaded position is not that iterator's
         if not self._replicas:
             self._source.load_state_dict(state["model"])
+            # The replicas are copied from the source: loading the model again as they are
+            # built would undo what the user changes on trainer.model meanwhile.
+            state = {**state, "model": None}
         self._pending_state = dict(state)
 
     async def _snapshot(self) -> dict[str, Any]:

@@ -443,14 +443,17 @@ class Trainer(Resumable):
             if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
                 raise ConfigurationError(f"epochs must be an int >= 1, got {epochs!r}")
             await self._join()
-            if resume is not None:
-                self._adopt(await self._resume_state(resume))
+            state = await self._resume_state(resume) if resume is not None else None
+            # A checkpoint may have begun while joining or reading: it snapshots the position,
+            # so the state is taken once it has ended (nothing awaits from here to the session).
+            await self._wait_for_checkpoint_session()
+            if state is not None:
+                self._adopt(state)
             passes = epochs - self.epoch - (1 if self._epoch_trained else 0)
             _check_data(train_data, "train_data", passes)
             self._check_continued(train_data, passes)
             if valid_data is not None:
                 _check_data(valid_data, "valid_data", epochs - self.epoch)
-            await self._wait_for_checkpoint_session()  # one may have begun while joining
             async with self._session("fit"):
                 total = await rank_items_total_off_loop(train_data, 0, 1)  # all of the data
                 self._hub.publish(
@@ -653,8 +656,9 @@ class Trainer(Resumable):
                 if self._pending_state is not None:
                     # Loaded before the replicas were built: only now is there an optimizer to
                     # check the state's parameter groups against (the position is taken).
-                    first = self._replicas[0]
-                    _checkpoint.check_fits(self._pending_state, first.model, first.optimizer)
+                    saved = self._pending_state.get("optimizer")
+                    if saved is not None:
+                        _checkpoint.check_optimizer_fits(saved, self._replicas[0].optimizer)
                     state, self._pending_state = self._pending_state, None
                     await self._scheduler_run(
                         self._jobs().load, [state] * len(self.devices), phase="setup"

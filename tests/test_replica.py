@@ -149,7 +149,7 @@ async def test_a_parameter_replaced_between_fits_is_refused_before_any_step(devi
     await trainer.fit(batches, epochs=1)
     original = trainer.model[3]
     trainer.model[3] = nn.Linear(16, 3)  # no optimizer holds its parameters
-    with pytest.raises(ConfigurationError, match="not those its replicas were built from"):
+    with pytest.raises(ConfigurationError, match=r"3\.weight is another parameter now \(a trained"):
         await trainer.fit(batches, epochs=2)
     assert trainer.global_step == 1
     trainer.model[3] = original
@@ -166,3 +166,65 @@ async def test_a_parameter_thawed_after_the_first_fit_warns_that_it_is_not_train
     trainer.model[0].requires_grad_(True)
     with pytest.warns(UserWarning, match=r"0\.weight, 0\.bias of trainer.model requires grad"):
         await trainer.fit(batches, epochs=2)
+
+
+async def test_buffers_reset_between_calls_are_reset_on_every_device() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    trainer = trainer_on(2, model)
+    await trainer.fit(make_batches([8, 8]), epochs=1)
+    trainer.model[1].reset_running_stats()
+    await trainer.validate(make_batches([8]))  # eval mode: the statistics stay as they are
+    for replica in trainer._replicas:
+        norm = replica.model[1]
+        assert torch.equal(norm.running_mean, torch.zeros(8)), replica.device
+        assert int(norm.num_batches_tracked) == 0, replica.device
+
+
+class Tagged(nn.Linear):
+    """A layer with extra state of its own (what get_extra_state saves)."""
+
+    tag = "built"
+
+    def get_extra_state(self) -> str:
+        return self.tag
+
+    def set_extra_state(self, state: str) -> None:
+        self.tag = state
+
+
+async def test_extra_state_loaded_between_calls_reaches_every_device() -> None:
+    torch.manual_seed(0)
+    trainer = trainer_on(2, nn.Sequential(Tagged(FEATURES, 3)))
+    await trainer.fit(make_batches([4]), epochs=1)
+    state = trainer.model.state_dict()
+    state["0._extra_state"] = "loaded"
+    trainer.model.load_state_dict(state)
+    await trainer.validate(make_batches([4]))
+    assert [r.model[0].tag for r in trainer._replicas] == ["loaded", "loaded"]
+
+
+async def test_a_module_added_between_fits_is_refused_with_a_configuration_error() -> None:
+    trainer = trainer_on(2, make_model())
+    await trainer.fit(make_batches([4]), epochs=1)
+    trainer.model.append(nn.Tanh())  # no parameter of its own
+    with pytest.raises(ConfigurationError, match="a module was added or removed"):
+        await trainer.fit(make_batches([4]), epochs=2)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_a_frozen_parameter_swapped_for_one_of_its_shape_reaches_every_device(
+    devices: int,
+) -> None:
+    model = make_model()
+    model[0].requires_grad_(False)
+    trainer = trainer_on(devices, model)
+    await trainer.fit(make_batches([4]), epochs=1)
+    pretrained = torch.full((16, FEATURES), 0.25)
+    trainer.model[0].weight = nn.Parameter(pretrained.clone(), requires_grad=False)
+    await trainer.fit(make_batches([4]), epochs=2)
+    for replica in trainer._replicas:
+        assert torch.equal(replica.model[0].weight, pretrained), replica.device
+    trainer.model[0].weight = nn.Parameter(torch.zeros(16, 2), requires_grad=False)
+    with pytest.raises(ConfigurationError, match=r"0\.weight is another parameter now, one of"):
+        await trainer.fit(make_batches([4]), epochs=3)
