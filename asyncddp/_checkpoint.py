@@ -13,6 +13,7 @@ import os
 import random
 import re
 import tempfile
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -96,19 +97,30 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
 REQUIRED = ("model", "epoch", "global_step", "batches_done")
 
 
-def check_fits(state: Mapping[str, Any], model: nn.Module, optimizer: Callable[[Any], Any]) -> None:
+def check_fits(
+    state: Mapping[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    make_optimizer: Callable[[Any], Any],
+    make_scheduler: Callable[[Any], Any] | None,
+) -> None:
     """Refuse, before anything of it is taken, a state that cannot load into this trainer.
 
-    A state lacking an entry every state has, a model state that ``model`` (``trainer.model``)
-    does not load, or an optimizer state that an optimizer made by the factory ``optimizer``
-    does not load, raises :class:`CheckpointError` and leaves the trainer as it was: a load
-    that failed half way would leave the position of one state and the weights of another.
+    A state lacking an entry every state has, or whose model, optimizer or LR scheduler state
+    does not load into this trainer's, raises :class:`CheckpointError` and leaves the trainer
+    as it was: a load that failed half way would leave the position of one state and the
+    weights of another.
 
-    Both are tried for real, by torch, on a copy of ``model`` whose tensors are on the meta
-    device (shapes only, no memory, no copy of the weights), so that what torch's own loads
-    accept passes: load hooks that rename keys, lazy modules, extra state. A factory that
-    cannot build an optimizer over meta tensors (``fused=True``, say) leaves the optimizer's
-    groups to the check at the next session start (:func:`check_optimizer_fits`).
+    The model's and the LR scheduler's are tried for real, by torch, on probes: a copy of
+    ``model`` (``trainer.model``) whose parameters, buffers and tensor attributes are on the
+    meta device (shapes only, no memory), an optimizer and a scheduler the factories build
+    over it; so whatever torch's own loads accept passes (load hooks that rename keys, lazy
+    modules, extra state). The optimizer's parameter groups are checked against
+    ``optimizer``, the first replica's, once there is one (its groups are fixed when it is
+    built), else against the probe optimizer. A model that cannot be copied has only its
+    shapes checked; a factory that raises on meta tensors leaves the optimizer's groups to the
+    check at the next session start (:func:`check_optimizer_fits`) and the scheduler's state
+    unchecked.
     """
     if not isinstance(state, Mapping):
         raise CheckpointError(
@@ -124,24 +136,66 @@ def check_fits(state: Mapping[str, Any], model: nn.Module, optimizer: Callable[[
         )
     probe = _on_meta(model)
     try:
-        probe_optimizer = optimizer([p for p in probe.parameters() if p.requires_grad])
-    except Exception:  # it builds for real devices only; the session start checks then
-        probe_optimizer = None
-    try:
-        probe.load_state_dict(state["model"], assign=True)
+        if probe is None:
+            _check_shapes(state["model"], model)
+        else:
+            with warnings.catch_warnings():  # "copying ... to a meta parameter is a no-op"
+                warnings.simplefilter("ignore", UserWarning)
+                probe.load_state_dict(state["model"])
     except Exception as error:
         raise CheckpointError(
             f"the state's model does not load into trainer.model: {error}"
         ) from error
+    probe_optimizer = (
+        _made(make_optimizer, [p for p in probe.parameters() if p.requires_grad]) if probe else None
+    )
     saved_optimizer = state.get("optimizer")
-    if saved_optimizer is None or not isinstance(probe_optimizer, torch.optim.Optimizer):
-        return
+    if saved_optimizer is not None:
+        if optimizer is not None:
+            check_optimizer_fits(saved_optimizer, optimizer)
+        elif isinstance(probe_optimizer, torch.optim.Optimizer):
+            _try_load(probe_optimizer, saved_optimizer, "optimizer")
+    saved_scheduler = state.get("lr_scheduler")
+    if (
+        saved_scheduler is not None
+        and make_scheduler is not None
+        and isinstance(probe_optimizer, torch.optim.Optimizer)
+    ):
+        probe_scheduler = _made(make_scheduler, probe_optimizer)
+        if probe_scheduler is not None:  # load_state_dict may pop entries: a copy (it is small)
+            _try_load(probe_scheduler, copy.deepcopy(saved_scheduler), "LR scheduler")
+
+
+def _made(factory: Callable[[Any], Any], argument: Any) -> Any:
+    """``factory(argument)`` for a probe, or ``None`` where it will not build one."""
     try:
-        probe_optimizer.load_state_dict(saved_optimizer)
+        return factory(argument)
+    except Exception:
+        return None
+
+
+def _try_load(probe: Any, saved: Any, what: str) -> None:
+    try:
+        probe.load_state_dict(saved)
     except Exception as error:
         raise CheckpointError(
-            f"the state's optimizer does not load into this trainer's: {error}"
+            f"the state's {what} does not load into this trainer's: {error}"
         ) from error
+
+
+def _check_shapes(saved: Any, model: nn.Module) -> None:
+    """For a model with no meta copy: the state's tensors have the shapes of the model's
+    (keys are left to the load, whose hooks may rename them)."""
+    own = model.state_dict()
+    for key, value in saved.items():
+        mine = own.get(key)
+        if not isinstance(value, torch.Tensor) or not isinstance(mine, torch.Tensor):
+            continue
+        if not nn.parameter.is_lazy(mine) and value.shape != mine.shape:
+            raise CheckpointError(
+                f"the state's model does not load into trainer.model: {key} is "
+                f"{tuple(value.shape)} in the state, {tuple(mine.shape)} in the model"
+            )
 
 
 def check_optimizer_fits(saved: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -157,25 +211,33 @@ def check_optimizer_fits(saved: Any, optimizer: torch.optim.Optimizer) -> None:
     mine = [len(group["params"]) for group in optimizer.param_groups]
     if sizes != mine:
         raise CheckpointError(
-            f"the state's optimizer does not fit this trainer's: parameter groups of {sizes} "
-            f"parameters in the state, {mine} in the trainer's optimizer. Load a state saved "
-            "with the same optimizer factory, or build the Trainer with that factory"
+            f"the state's optimizer does not load into this trainer's: parameter groups of "
+            f"{sizes} parameters in the state, {mine} in the trainer's optimizer. Load a state "
+            "saved with the same optimizer factory, or build the Trainer with that factory"
         )
 
 
-def _on_meta(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are empty tensors on the meta device."""
+def _on_meta(model: nn.Module) -> nn.Module | None:
+    """A copy of ``model`` whose parameters, buffers and tensor attributes are empty tensors
+    on the meta device; ``None`` for a model that cannot be copied (a lock among its
+    attributes, say)."""
     memo: dict[int, Any] = {}
-    for tensor in (*model.parameters(), *model.buffers()):
-        if nn.parameter.is_lazy(tensor):
-            continue  # a lazy module's: no data to leave behind
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():  # a plain tensor attribute would be copied for real
+        tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+    for tensor in tensors:
+        if id(tensor) in memo or nn.parameter.is_lazy(tensor):
+            continue  # a lazy module's has no data to leave behind
         meta = torch.empty_like(tensor, device="meta")
         memo[id(tensor)] = (
             nn.Parameter(meta, requires_grad=tensor.requires_grad)
             if isinstance(tensor, nn.Parameter)
             else meta
         )
-    return copy.deepcopy(model, memo)
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception:
+        return None
 
 
 def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 import torch
@@ -55,6 +55,8 @@ class Replica:
         # Every parameter as built, frozen ones too: a parameter added, removed or replaced
         # since cannot be carried over to the other replicas or their optimizers (check_rebuilt).
         self.built_params = tuple(model.parameters())
+        self.built_modules = sum(1 for _ in model.modules())
+        self.built_buffers = _buffer_kinds(model)
         self.buffers = list(model.buffers())
         self.grads = FlatGrads(self.params, 1, 0, loose=True)  # until regroup() says
         self.backup = StepBackup()
@@ -105,18 +107,19 @@ class Replica:
         return float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
 
 
-def check_rebuilt(replicas: Sequence[Replica]) -> None:
-    """Refuse a ``trainer.model`` (``replicas[0]``) that no longer has the parts its replicas
-    were built with; warn of a parameter thawed since.
+def check_rebuilt(first: Replica) -> None:
+    """Refuse a ``trainer.model`` (``first``, the first replica) that no longer has the parts
+    the replicas were built with; warn of a parameter thawed since.
 
     Values, ``requires_grad``, train/eval mode and extra state changed on ``trainer.model``
     between calls carry over to every replica (:func:`mirror`), and so does a frozen parameter
-    replaced by one of its shape (``module.weight = nn.Parameter(pretrained, requires_grad=
-    False)``). A trained parameter replaced, or a parameter, module or buffer added or removed
-    (a new layer, ``torch.nn.utils.parametrize``) does not: the optimizers hold the parameters
-    they were built with, and the other replicas have no place for the new part.
+    replaced by one of its shape, dtype and device (``module.weight =
+    nn.Parameter(pretrained, requires_grad=False)``). A trained parameter replaced, or a
+    parameter, module or buffer added or removed (a new layer, ``torch.nn.utils.parametrize``)
+    does not: the optimizers hold the parameters they were built with, and the other replicas
+    have no place for the new part. Checked on one device too, so that a model that trains on
+    one device trains on several.
     """
-    first = replicas[0]
     now = list(first.model.parameters())
     built = first.built_params
     trained = {id(p) for p in first.params}
@@ -124,18 +127,18 @@ def check_rebuilt(replicas: Sequence[Replica]) -> None:
     if len(now) != len(built):
         _refuse(f"it had {len(built)} parameters, and has {len(now)} now")
     for param, was in zip(now, built, strict=True):
-        if param is not was and (id(was) in trained or param.shape != was.shape):
+        if param is was:
+            continue
+        if id(was) in trained:
+            _refuse(f"{names[id(param)]} is another parameter now (a trained one)")
+        if (param.shape, param.dtype, param.device) != (was.shape, was.dtype, was.device):
             _refuse(
-                f"{names[id(param)]} is another parameter now"
-                + (", one of another shape" if param.shape != was.shape else " (a trained one)")
+                f"{names[id(param)]} is another parameter now, of another shape, dtype or device"
             )
-    modules = sum(1 for _ in first.model.modules())
-    buffers = [tuple(b.shape) for b in first.model.buffers()]
-    for other in replicas[1:]:
-        if sum(1 for _ in other.model.modules()) != modules:
-            _refuse("a module was added or removed")
-        if [tuple(b.shape) for b in other.model.buffers()] != buffers:
-            _refuse("a buffer was registered, removed or reshaped")
+    if sum(1 for _ in first.model.modules()) != first.built_modules:
+        _refuse("a module was added or removed")
+    if _buffer_kinds(first.model) != first.built_buffers:
+        _refuse("a buffer was registered, removed, reshaped or cast")
     first.buffers = list(first.model.buffers())  # one replaced since (a running mean assigned)
     thawed = [names[id(p)] for p in now if p.requires_grad and id(p) not in trained]
     if thawed:
@@ -147,6 +150,10 @@ def check_rebuilt(replicas: Sequence[Replica]) -> None:
             UserWarning,
             stacklevel=2,
         )
+
+
+def _buffer_kinds(model: nn.Module) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    return [(tuple(b.shape), b.dtype) for b in model.buffers()]
 
 
 def _refuse(what: str) -> NoReturn:

@@ -29,7 +29,7 @@ from ._events import CheckpointSaved
 from ._exceptions import ConfigurationError
 from ._jobs import Sums
 from ._precision import LossScaler
-from ._replica import OptimizerFactory
+from ._replica import OptimizerFactory, SchedulerFactory
 
 __all__ = ["Resumable"]
 
@@ -41,6 +41,7 @@ class Resumable(Epochs):
 
     _source: nn.Module
     _optimizer_factory: OptimizerFactory
+    _scheduler_factory: SchedulerFactory | None
     _pending_state: dict[str, Any] | None
     _window: int
     _last_iterator: Callable[[], Any] | None
@@ -72,8 +73,14 @@ class Resumable(Epochs):
     def _adopt(self, state: Mapping[str, Any]) -> None:
         """Take a saved state's position and RNG now; its tensors at the next session start.
         A state that does not fit is refused first, with nothing of it taken."""
-        model = self._replicas[0].model if self._replicas else self._source
-        _checkpoint.check_fits(state, model, self._optimizer_factory)
+        first = self._replicas[0] if self._replicas else None
+        _checkpoint.check_fits(
+            state,
+            first.model if first else self._source,
+            first.optimizer if first else None,
+            self._optimizer_factory,
+            self._scheduler_factory,
+        )
         self.epoch = int(state["epoch"])
         self.global_step = int(state["global_step"])
         self._batches_done = int(state["batches_done"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncddp import CheckpointError, ConfigurationError, StepEnded, Trainer, cpu_devices
+from asyncddp import (
+    CheckpointError,
+    ConfigurationError,
+    StepEnded,
+    Trainer,
+    _checkpoint,
+    cpu_devices,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -265,3 +273,109 @@ async def test_changes_to_trainer_model_after_a_load_before_any_fit_are_kept() -
     await trainer.validate(batches())
     for replica in trainer._replicas:
         assert torch.equal(replica.model.weight, torch.zeros(2, 4)), replica.device
+
+
+async def test_a_trainer_s_own_state_loads_after_a_layer_was_frozen_between_fits() -> None:
+    # The optimizers were built over every parameter: the state is checked against them,
+    # not against what the factory would build over the parameters that train now.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    trainer = Trainer(model, SGD, step, devices=cpu_devices(2), progress_bar=False)
+    await trainer.fit(batches(), epochs=1)
+    trainer.model[0].requires_grad_(False)
+    await trainer.fit(batches(), epochs=2)
+    trainer.load_state_dict(trainer.state_dict())
+    await trainer.fit(batches(), epochs=3)
+    assert trainer.global_step == 9
+
+
+def real_devices_only(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    if params[0].device.type == "meta":
+        raise RuntimeError("this optimizer runs on real devices only")
+    return SGD(params)
+
+
+async def test_a_state_grouped_otherwise_is_refused_after_a_fit_whatever_the_factory() -> None:
+    donor = make_trainer(1)
+    await donor.fit(batches(), epochs=1)
+    state = donor.state_dict()
+    groups = [{**state["optimizer"]["param_groups"][0], "params": [i]} for i in (0, 1)]
+    regrouped = {**state, "optimizer": {**state["optimizer"], "param_groups": groups}}
+    torch.manual_seed(0)
+    trainer = Trainer(
+        nn.Linear(4, 2), real_devices_only, step, devices=cpu_devices(2), progress_bar=False
+    )
+    await trainer.fit(batches(), epochs=2)
+    before = what_it_holds(trainer)
+    with pytest.raises(CheckpointError, match=r"\[1, 1\] parameters in the state, \[2\]"):
+        trainer.load_state_dict(regrouped)
+    assert_same(what_it_holds(trainer), before)
+
+
+@pytest.mark.parametrize("built", [True, False], ids=["after-a-fit", "before-any-fit"])
+async def test_another_lr_scheduler_s_state_is_refused_and_nothing_of_it_is_taken(
+    built: bool,
+) -> None:
+    step_lr = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1)
+
+    def sequential(optimizer: torch.optim.Optimizer) -> Any:
+        first = torch.optim.lr_scheduler.ConstantLR(optimizer, factor=0.5, total_iters=1)
+        return torch.optim.lr_scheduler.SequentialLR(optimizer, [first, step_lr(optimizer)], [1])
+
+    def trainer_with(scheduler: Any) -> Trainer:
+        torch.manual_seed(0)
+        return Trainer(
+            nn.Linear(4, 2),
+            SGD,
+            step,
+            lr_scheduler=scheduler,
+            devices=cpu_devices(2),
+            progress_bar=False,
+        )
+
+    donor = trainer_with(step_lr)
+    await donor.fit(batches(), epochs=1)
+    trainer = trainer_with(sequential)
+    if built:
+        await trainer.fit(batches(), epochs=2)
+    before = what_it_holds(trainer)
+    with pytest.raises(CheckpointError, match="the state's LR scheduler does not load"):
+        trainer.load_state_dict(donor.state_dict())
+    assert_same(what_it_holds(trainer), before)
+
+
+class Locked(nn.Linear):
+    """A layer holding a lock: it cannot be deep-copied, so the check has no meta copy."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.lock = threading.Lock()
+
+
+async def test_a_model_that_cannot_be_copied_still_loads_and_is_shape_checked() -> None:
+    torch.manual_seed(0)
+    trainer = Trainer(Locked(4, 2), SGD, step, devices=cpu_devices(1), progress_bar=False)
+    await trainer.fit(batches(), epochs=1)
+    state = trainer.state_dict()
+    trainer.load_state_dict(state)
+    with pytest.raises(CheckpointError, match=r"weight is \(3, 4\) in the state, \(2, 4\)"):
+        trainer.load_state_dict(another_model(state))
+
+
+async def test_the_check_changes_nothing_outside_its_probe() -> None:
+    # A state holding live parameters (state_dict(keep_vars=True)) keeps them as they are.
+    donor = make_trainer(1)
+    await donor.fit(batches(), epochs=1)
+    state = donor.state_dict()
+    state["model"] = donor.model.state_dict(keep_vars=True)
+    state["optimizer"] = None  # the model alone: the trainer's optimizer holds the bias only
+    trainer = make_trainer(2)
+    trainer.model.weight.requires_grad_(False)
+    trainer.load_state_dict(state)
+    assert donor.model.weight.requires_grad
+    # ... and the copy it loads into holds no real memory, tensor attributes included.
+    model = nn.Linear(4, 2)
+    model.table = torch.ones(1000)
+    probe = _checkpoint._on_meta(model)
+    assert probe is not None
+    assert {t.device.type for t in (probe.weight, probe.bias, probe.table)} == {"meta"}

@@ -226,5 +226,18 @@ async def test_a_frozen_parameter_swapped_for_one_of_its_shape_reaches_every_dev
     for replica in trainer._replicas:
         assert torch.equal(replica.model[0].weight, pretrained), replica.device
     trainer.model[0].weight = nn.Parameter(torch.zeros(16, 2), requires_grad=False)
-    with pytest.raises(ConfigurationError, match=r"0\.weight is another parameter now, one of"):
+    with pytest.raises(
+        ConfigurationError, match=r"0\.weight is another parameter now, of another shape"
+    ):
         await trainer.fit(make_batches([4]), epochs=3)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_a_buffer_registered_between_fits_is_refused_on_any_number_of_devices(
+    devices: int,
+) -> None:
+    trainer = trainer_on(devices, make_model())
+    await trainer.fit(make_batches([4]), epochs=1)
+    trainer.model[0].register_buffer("scale", torch.ones(16))
+    with pytest.raises(ConfigurationError, match="a buffer was registered"):
+        await trainer.fit(make_batches([4]), epochs=2)
