@@ -187,12 +187,23 @@ async def test_a_state_is_not_loaded_while_a_fit_runs() -> None:
     assert trainer.epoch == 3
 
 
-async def test_a_state_grouped_otherwise_is_refused_before_any_fit_built_an_optimizer() -> None:
+async def regrouped_state() -> tuple[dict[str, Any], dict[str, Any]]:
+    """A trainer's state, and the same with its one optimizer group cut in two."""
     donor = make_trainer(1)
     await donor.fit(batches(), epochs=1)
     state = donor.state_dict()
     groups = [{**state["optimizer"]["param_groups"][0], "params": [i]} for i in (0, 1)]
-    regrouped = {**state, "optimizer": {**state["optimizer"], "param_groups": groups}}
+    return state, {**state, "optimizer": {**state["optimizer"], "param_groups": groups}}
+
+
+def real_devices_only(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    if params[0].device.type == "meta":
+        raise RuntimeError("this optimizer runs on real devices only")
+    return SGD(params)
+
+
+async def test_a_state_grouped_otherwise_is_refused_before_any_fit_built_an_optimizer() -> None:
+    _, regrouped = await regrouped_state()
     trainer = make_trainer(2)
     before = what_it_holds(trainer)
     with pytest.raises(CheckpointError, match="different number of parameter groups"):
@@ -203,18 +214,11 @@ async def test_a_state_grouped_otherwise_is_refused_before_any_fit_built_an_opti
 async def test_an_optimizer_that_builds_on_real_devices_only_is_checked_as_the_fit_starts() -> None:
     # The check builds a probe optimizer over meta tensors; a factory that refuses them is
     # checked once the fit has built the real one, before any step, naming the state.
-    def factory(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        if params[0].device.type == "meta":
-            raise RuntimeError("this optimizer runs on real devices only")
-        return SGD(params)
-
-    donor = make_trainer(1)
-    await donor.fit(batches(), epochs=1)
-    state = donor.state_dict()
-    groups = [{**state["optimizer"]["param_groups"][0], "params": [i]} for i in (0, 1)]
-    regrouped = {**state, "optimizer": {**state["optimizer"], "param_groups": groups}}
+    state, regrouped = await regrouped_state()
     torch.manual_seed(0)
-    trainer = Trainer(nn.Linear(4, 2), factory, step, devices=cpu_devices(2), progress_bar=False)
+    trainer = Trainer(
+        nn.Linear(4, 2), real_devices_only, step, devices=cpu_devices(2), progress_bar=False
+    )
     trainer.load_state_dict(regrouped)
     for _ in range(2):  # and again: the state is not dropped half taken
         with pytest.raises(CheckpointError, match=r"\[1, 1\] parameters in the state, \[2\]"):
@@ -289,18 +293,8 @@ async def test_a_trainer_s_own_state_loads_after_a_layer_was_frozen_between_fits
     assert trainer.global_step == 9
 
 
-def real_devices_only(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    if params[0].device.type == "meta":
-        raise RuntimeError("this optimizer runs on real devices only")
-    return SGD(params)
-
-
 async def test_a_state_grouped_otherwise_is_refused_after_a_fit_whatever_the_factory() -> None:
-    donor = make_trainer(1)
-    await donor.fit(batches(), epochs=1)
-    state = donor.state_dict()
-    groups = [{**state["optimizer"]["param_groups"][0], "params": [i]} for i in (0, 1)]
-    regrouped = {**state, "optimizer": {**state["optimizer"], "param_groups": groups}}
+    _, regrouped = await regrouped_state()
     torch.manual_seed(0)
     trainer = Trainer(
         nn.Linear(4, 2), real_devices_only, step, devices=cpu_devices(2), progress_bar=False
