@@ -344,7 +344,13 @@ class Trainer(Resumable):
 
     @property
     def model(self) -> nn.Module:
-        """The trained model: the replica on the first device."""
+        """The trained model: the replica on the first device.
+
+        Between calls it is yours to change as a plain loop's model (load weights into it,
+        freeze a layer, ``eval()``): each ``fit`` and ``validate`` copies it to the other
+        devices as it starts. Its set of parameters, modules and buffers stays as the first
+        call built the replicas (see docs/training.md).
+        """
         return self._replicas[0].model if self._replicas else self._source
 
     def events(self, maxlen: int = 1000) -> EventStream:
