@@ -146,16 +146,22 @@ def check_fits(
         raise CheckpointError(
             f"the state's model does not load into trainer.model: {error}"
         ) from error
-    probe_optimizer = (
-        _made(make_optimizer, [p for p in probe.parameters() if p.requires_grad]) if probe else None
-    )
     saved_optimizer = state.get("optimizer")
+    saved_scheduler = state.get("lr_scheduler")
+    # The user's factories run for a probe only where one is needed.
+    needed = (saved_optimizer is not None and optimizer is None) or (
+        saved_scheduler is not None and make_scheduler is not None
+    )
+    probe_optimizer = (
+        _made(make_optimizer, [p for p in probe.parameters() if p.requires_grad])
+        if probe is not None and needed
+        else None
+    )
     if saved_optimizer is not None:
         if optimizer is not None:
             check_optimizer_fits(saved_optimizer, optimizer)
         elif isinstance(probe_optimizer, torch.optim.Optimizer):
             _try_load(probe_optimizer, saved_optimizer, "optimizer")
-    saved_scheduler = state.get("lr_scheduler")
     if (
         saved_scheduler is not None
         and make_scheduler is not None

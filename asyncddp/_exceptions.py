@@ -89,7 +89,8 @@ class StepOutputError(AsyncDDPError, TypeError):
 class CheckpointError(AsyncDDPError):
     """A checkpoint file is missing, truncated, corrupt, or not an asyncddp checkpoint; or a
     state (a checkpoint's or ``Trainer.state_dict()``'s) does not fit the trainer it is loaded
-    into: another model's, or another optimizer's parameter groups. A state refused so is not
+    into: another model's, another optimizer's parameter groups, another LR scheduler's. A
+    state refused so is not
     taken in part: the trainer stays as it was."""
 
 

@@ -557,7 +557,8 @@ class Jobs:
         self.replicas[ctx.device.index].regroup(parts, ctx.device.index, loose=loose)
 
     def mirror(self, ctx: WorkerContext, _: None) -> None:
-        """The first replica's values, ``requires_grad`` flags and modes, into this one."""
+        """The first replica's values, ``requires_grad`` flags, modes and extra state, into
+        this one (see ``_replica.mirror``)."""
         if ctx.device.index:
             mirror(self.replicas[ctx.device.index], self.replicas[0])
 

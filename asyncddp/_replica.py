@@ -160,7 +160,8 @@ def _refuse(what: str) -> NoReturn:
     raise ConfigurationError(
         f"trainer.model is not made of the parts its replicas were built from: {what}. "
         "Changes to its values, requires_grad, train/eval mode and extra state carry over to "
-        "every device, and so does a frozen parameter swapped for one of its shape; a changed "
+        "every device, and so does a frozen parameter swapped for one of its shape, dtype and "
+        "device; a changed "
         "set of parameters, modules or buffers needs a new Trainer over the changed model "
         "(whose optimizers start afresh)"
     )

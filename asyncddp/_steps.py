@@ -145,7 +145,8 @@ class Steps:
     async def _mirror_first(self) -> None:
         """Carry what was changed on ``trainer.model`` (the first replica) since the last call
         over to the other replicas (see ``_replica.mirror``); refuse a changed set of
-        parameters (``_replica.check_rebuilt``). Before each fit and validation."""
+        parameters, modules or buffers (``_replica.check_rebuilt``). Before each fit and
+        validation."""
         check_rebuilt(self._replicas[0])
         if len(self._replicas) > 1:
             await self._run_all(self._jobs().mirror, phase="setup")
