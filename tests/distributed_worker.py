@@ -2,13 +2,17 @@
 
 Started by ``tests/test_distributed.py`` with the torchrun environment (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT) set by hand. Writes what it saw to ``OUT_DIR/rank{RANK}.pt``.
+``python tests/distributed_worker.py --serve`` is the tests' fork server (:func:`serve`), which
+forks ranks that need not import torch again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
+import select
 import signal
 import sys
 import threading
@@ -672,7 +676,75 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    scenario, out = sys.argv[1], Path(sys.argv[2])
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        run_rank(sys.argv[1], sys.argv[2])
+
+
+def serve() -> None:
+    """The tests' fork server: this process imported torch, asyncddp and the scenarios once;
+    it forks a rank for each request and says when each ends. It starts no thread and joins no
+    process group, so a forked rank starts as a fresh interpreter would, without its 5-6 s of
+    imports and first optimizer.
+
+    Reads one JSON request a line on stdin, ``{"scenario": ..., "out": ..., "env": {...}}``,
+    and answers ``started PID`` to each; writes ``exited PID CODE`` as each rank ends (``CODE``
+    as ``subprocess`` gives it: minus the signal's number for a rank a signal ended). Ends when
+    stdin closes.
+    """
+    # torch's one-time cost of a first optimizer (2-3 s here: it imports torch._dynamo), paid
+    # once for every rank; it starts no thread.
+    torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+    pending = b""
+    ranks: set[int] = set()
+    open_ = True
+    while open_ or ranks:
+        readable, _, _ = select.select([0] if open_ else [], [], [], 0.02)
+        if readable:
+            chunk = os.read(0, 65536)
+            open_ = bool(chunk)
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                pid = os.fork()
+                if pid == 0:
+                    try:  # forked_rank exits by itself, with its rank's code
+                        forked_rank(request["scenario"], request["out"], request["env"])
+                    except BaseException:  # as an uncaught exception ends an interpreter
+                        traceback.print_exc()
+                        sys.stderr.flush()
+                    os._exit(1)
+                ranks.add(pid)
+                os.write(1, f"started {pid}\n".encode())
+        for pid in list(ranks):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                ranks.discard(pid)
+                os.write(1, f"exited {pid} {os.waitstatus_to_exitcode(status)}\n".encode())
+
+
+def forked_rank(scenario: str, out: str, env: dict[str, str]) -> None:
+    """A rank forked by :func:`serve`: ``env`` is the torchrun environment, set here as a
+    launcher would set it; the rank's output goes to ``OUT_DIR/rank{RANK}.log``."""
+    os.environ.update(env)
+    # The fork server imported torch before this rank's environment existed, so torch read no
+    # OMP_NUM_THREADS: size the intra-op pool as a fresh process with it would be.
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    log = os.open(Path(out) / f"rank{env['RANK']}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # the server's requests are not the rank's
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.close(null)
+    run_rank(scenario, out)
+
+
+def run_rank(scenario: str, out_dir: str) -> None:
+    """Run ``scenario`` as the rank the environment names; write its report and exit."""
+    out = Path(out_dir)
     rank = int(os.environ["RANK"])
     if "PACK_ELEMENTS" in os.environ:  # the test's choice of exchange: see _comm.PACK_ELEMENTS
         _comm.PACK_ELEMENTS = int(os.environ["PACK_ELEMENTS"])

@@ -2,17 +2,22 @@
 
 Each test starts its ranks as separate Python processes (``tests/distributed_worker.py``) with
 the torchrun environment set by hand, so that killing one rank leaves the others running (under
-``torchrun`` its agent would stop them). Every rank writes what it saw; the test compares.
+``torchrun`` its agent would stop them). Every rank writes what it saw; the test compares. The
+ranks are forked from one fork server that imported torch once (``ForkServer``), or started as
+fresh interpreters with ``ASYNCDDP_TEST_FRESH_RANKS=1``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -39,6 +44,140 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+#: Start each rank as a fresh interpreter (``python tests/distributed_worker.py``), as a launcher
+#: does, instead of forking it from the fork server: ``ASYNCDDP_TEST_FRESH_RANKS=1 pytest ...``.
+FRESH_RANKS = os.environ.get("ASYNCDDP_TEST_FRESH_RANKS", "") not in ("", "0")
+
+
+class ForkServer:
+    """The module's fork server (``distributed_worker.serve``): one process that imported
+    torch, asyncddp and the scenarios once and made a first optimizer (5-6 s here, nearly all
+    of a fresh rank's start to its first step), and forks each rank from there."""
+
+    def __init__(self) -> None:
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 (open while the server runs)
+        self._process = subprocess.Popen(
+            [sys.executable, str(WORKER), "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        self._changed = threading.Condition()
+        self._started: list[int] = []
+        self._exits: dict[int, int] = {}
+        self._ended = False
+        self._reader = threading.Thread(target=self._read, name="fork-server-reader", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            what, pid, *code = line.split()
+            with self._changed:
+                if what == b"started":
+                    self._started.append(int(pid))
+                    self._exits.pop(int(pid), None)  # an earlier rank's, whose pid this reuses
+                else:
+                    self._exits[int(pid)] = int(code[0])
+                self._changed.notify_all()
+        with self._changed:
+            self._ended = True
+            self._changed.notify_all()
+
+    def _check_alive(self) -> None:
+        if self._ended:
+            self._log.seek(0)
+            output = self._log.read().decode(errors="replace")
+            pytest.fail(f"the fork server ended:\n{output}")
+
+    def fork(self, scenario: str, out: Path, env: dict[str, str]) -> int:
+        """Fork a rank that runs ``scenario`` with ``env``; its pid."""
+        assert self._process.stdin is not None
+        request = {"scenario": scenario, "out": str(out), "env": env}
+        with self._changed:
+            self._process.stdin.write(json.dumps(request).encode() + b"\n")
+            self._process.stdin.flush()
+            while not self._started:
+                self._check_alive()
+                self._changed.wait()
+            return self._started.pop(0)
+
+    def wait(self, pid: int, timeout: float) -> int | None:
+        """``pid``'s exit code, None while it still runs after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while pid not in self._exits:
+                self._check_alive()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._changed.wait(left)
+            return self._exits[pid]
+
+    def close(self) -> None:
+        """End the server (it ends once its ranks have) and wait for it."""
+        assert self._process.stdin is not None
+        self._process.stdin.close()
+        self._process.wait(60)
+        self._reader.join(60)
+        assert self._process.stdout is not None
+        self._process.stdout.close()
+        self._log.close()
+
+
+@functools.cache
+def fork_server() -> ForkServer:
+    return ForkServer()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_the_fork_server() -> Iterator[None]:
+    yield
+    if fork_server.cache_info().currsize:
+        fork_server().close()
+        fork_server.cache_clear()
+
+
+class Rank:
+    """One rank's process, forked by the fork server or started fresh."""
+
+    def __init__(self, scenario: str, out: Path, env: dict[str, str]) -> None:
+        self.log = out / f"rank{env['RANK']}.log"
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._pid = 0
+        if FRESH_RANKS:
+            with self.log.open("wb") as log:
+                self._popen = subprocess.Popen(
+                    [sys.executable, str(WORKER), scenario, str(out)],
+                    env={**os.environ, **env},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+        else:
+            self._pid = fork_server().fork(scenario, out, env)
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit code once the rank ended, None if it is still running after ``timeout``."""
+        if self._popen is None:
+            return fork_server().wait(self._pid, timeout)
+        try:
+            return self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        if self.wait(0) is None:
+            if self._popen is None:
+                os.kill(self._pid, signal.SIGKILL)
+            else:
+                self._popen.kill()
+            self.wait(60)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
 def launch(
     scenario: str,
     out: Path,
@@ -55,40 +194,30 @@ def launch(
     """
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    procs = []
+    ranks = []
     started = time.monotonic()
-    for rank in range(world_size):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            **({"PACK_ELEMENTS": "0"} if exchange == "apart" else {}),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, str(out)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    codes, outputs = [], []
     try:
-        for proc in procs:
-            remaining = max(1.0, timeout - (time.monotonic() - started))
-            output, _ = proc.communicate(timeout=remaining)
-            codes.append(proc.returncode)
-            outputs.append(output.decode(errors="replace"))
+        for rank in range(world_size):
+            env = {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+                **({"PACK_ELEMENTS": "0"} if exchange == "apart" else {}),
+            }
+            ranks.append(Rank(scenario, out, env))
+        codes = []
+        for rank, process in enumerate(ranks):
+            code = process.wait(max(1.0, timeout - (time.monotonic() - started)))
+            if code is None:
+                pytest.fail(f"rank {rank} still ran after {timeout:.0f} s:\n{process.output()}")
+            codes.append(code)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        for process in ranks:
+            process.kill()
     seconds = time.monotonic() - started
     reports: list[dict[str, Any] | None] = []
     for rank in range(world_size):
@@ -96,7 +225,7 @@ def launch(
         reports.append(torch.load(path, weights_only=False) if path.exists() else None)
     for rank, report in enumerate(reports):
         if report is not None and "crash" in report:
-            pytest.fail(f"rank {rank} crashed:\n{report['crash']}\n{outputs[rank]}")
+            pytest.fail(f"rank {rank} crashed:\n{report['crash']}\n{ranks[rank].output()}")
     return reports, codes, seconds
 
 
@@ -425,8 +554,8 @@ def test_a_killed_rank_makes_the_others_fail_naming_it(tmp_path: Path, exchange:
     for rank in (0, 2):
         report = reports[rank]
         assert report is not None, f"rank {rank} wrote nothing (exit {codes[rank]})"
-        assert report["error"] is not None
-        assert report["error_rank"] == 1
+        assert report["error"] is not None, report
+        assert report["error_rank"] == 1, report
         assert "rank 1" in report["error"]
         assert report["cause"] == "RankLost"
         assert report["raised_at"] - killed_at < 30.0
