@@ -39,12 +39,15 @@ What follows the header depends on it, and every rank knows the same header:
 
 A rank that dies (SIGKILL, out of memory) breaks the collective: gloo fails at once on every
 rank that talks to it. The survivors then find out who is gone through the process group's
-store (each writes that it is alive; whoever does not within a few seconds is named).
+store (each writes that it is alive; whoever does not within a few seconds is named), and a
+rank still waiting in an all-reduce on a survivor (over gloo, 3 or more ranks) answers the roll
+call and takes its verdict.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import pickle
 import time
@@ -79,6 +82,10 @@ PACK_ELEMENTS = 16 * 1024
 
 #: How long survivors wait for each other's sign of life after a collective broke.
 ALIVE_WAIT = 5.0
+
+#: With 3 or more ranks, how long a collective waits before its rank looks in the store for a
+#: roll call (see :meth:`Comm.lost`), and again after each look.
+ROLL_CALL_POLL = datetime.timedelta(seconds=1.0)
 
 
 @dataclass(frozen=True)
@@ -221,6 +228,8 @@ class Comm:
                 "with asyncddp.distributed.init('gloo') to train on CPUs"
             )
         self._incident = 0
+        # A survivor's verdict on the next incident, taken while a collective waited (_wait).
+        self._verdict: tuple[int, RankLost] | None = None
         self._fingerprint = fingerprint
         # Whether setup() found every rank's trainer alike. Until then a header holds its
         # fixed fields alone: its size must not depend on what the ranks may disagree about
@@ -517,7 +526,7 @@ class Comm:
                     meanwhile()
             finally:  # never leave the collectives writing into tensors the caller reuses
                 for work in works:
-                    work.wait()
+                    self._wait(work)
         except RuntimeError as error:
             raise self.lost(error) from error
         if sent is not values:
@@ -535,26 +544,111 @@ class Comm:
                 works.append(dist.all_reduce(piece, async_op=True))
         return works
 
+    def _wait(self, work: Any) -> None:
+        """Wait for ``work``, one of an exchange's collectives.
+
+        With 3 or more ranks over gloo, gloo tells of a dead rank only the ranks that talk to
+        it at that moment. A rank that waits on a survivor instead, itself in :meth:`lost`
+        waiting for signs of life, would hear of nothing until that survivor had given up,
+        named this rank among the lost, and exited; and it would then name that survivor, its
+        store gone with it. So a long wait answers a survivor's roll call and keeps its
+        verdict, for :meth:`lost` to give once the collective breaks (as it does when that
+        survivor leaves): a collective is never left running, as the group could not be left
+        while it runs. The all-reduces of headers and gradients wait so, where the ranks spend
+        their exchanges; the rarer collectives (gathering failures or metric names,
+        broadcasting buffers) wait plainly.
+        """
+        if (
+            self.world_size <= 2
+            or self.backend != "gloo"  # NCCL's timed wait blocks, and aborts on its timeout
+            or not self._agreed  # the store's keys tell trainers apart once they agreed
+            or self._verdict is not None
+        ):
+            work.wait()
+            return
+        while True:
+            try:
+                work.wait(ROLL_CALL_POLL)
+                return
+            except RuntimeError:
+                if work.is_completed():  # failed, or ended right after the wait timed out
+                    work.wait()
+                    return
+            verdict = self._answer_roll_call()
+            if verdict is not None:
+                self._verdict = (self._incident + 1, verdict)
+                work.wait()
+                self._verdict = None  # it ended after all: nobody was lost
+                return
+
+    def _key(self, what: str, incident: int) -> str:
+        # The data seed tells one trainer's exchanges from another's in the same group.
+        return f"asyncddp/{self.data_seed}/{what}/{incident}"
+
     def lost(self, error: BaseException) -> RankLost:
-        """Find out which ranks are gone, after ``error`` broke a collective (blocking)."""
+        """Find out which ranks are gone, after ``error`` broke a collective (blocking).
+
+        With 3 or more ranks, a roll call in the process group's store: each survivor that
+        finds a collective broken says it is alive and waits up to ``ALIVE_WAIT`` for the
+        others; ranks still waiting in a collective answer it too (see :meth:`_wait`) and take
+        the verdict of the first survivor that gave one.
+        """
         self._incident += 1
         if self.world_size == 2:
             other = 1 - self.rank
             return RankLost([other], self.rank_devices_of(other), _message(error))
+        incident = self._incident
+        if self._verdict is not None and self._verdict[0] == incident:
+            lost, self._verdict = self._verdict[1], None
+            return lost
+        missing = [0]
+        answered = False  # whether the store answered the roll call once
         try:
             store = dist.distributed_c10d._get_default_store()
-            prefix = f"asyncddp/alive/{self._incident}/"
-            store.set(prefix + str(self.rank), "1")
+            if store.check([self._key("verdict", incident)]):  # a survivor gave one already
+                return self._verdict_of(store, incident)
+            store.set(self._key("call", incident), "1")
+            store.set(self._key("alive", incident) + f"/{self.rank}", "1")
             deadline = time.monotonic() + ALIVE_WAIT
-            missing = list(range(self.world_size))
-            while missing and time.monotonic() < deadline:
-                missing = [r for r in missing if not store.check([prefix + str(r)])]
+            waiting = list(range(self.world_size))
+            while waiting and time.monotonic() < deadline:
+                alive = self._key("alive", incident)
+                waiting = [r for r in waiting if not store.check([f"{alive}/{r}"])]
+                missing, answered = waiting, True
                 time.sleep(0.05)
+            verdict = json.dumps({"missing": missing, "reason": _message(error)})
+            store.compare_set(self._key("verdict", incident), "", verdict)  # the first stays
+            return self._verdict_of(store, incident)  # every survivor names the same ranks
         except Exception:
             # The store lives in rank 0's process when the group was started without torchrun.
-            missing = [0]
+            # Gone before it answered: rank 0 is what was lost. Gone after: rank 0 answered
+            # the roll call, gave its verdict first and went on (its process ended), and the
+            # ranks that had not answered by then are the lost ones.
+            if not answered:
+                missing = [0]
         devices = [d for r in missing for d in self.rank_devices_of(r)[:1]]
         return RankLost(missing, devices, _message(error))
+
+    def _answer_roll_call(self) -> RankLost | None:
+        """While a collective waits: if a survivor called the roll (:meth:`lost`), answer it
+        and return its verdict; None if none called it."""
+        incident = self._incident + 1
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            if not store.check([self._key("call", incident)]):
+                return None
+            store.set(self._key("alive", incident) + f"/{self.rank}", "1")
+            store.wait([self._key("verdict", incident)], datetime.timedelta(seconds=2 * ALIVE_WAIT))
+            return self._verdict_of(store, incident)
+        except Exception:
+            return None  # no store to ask (rank 0 is gone): the collective breaks by itself
+
+    def _verdict_of(self, store: Any, incident: int) -> RankLost:
+        """The verdict a survivor gave on ``incident`` (the first, if several did)."""
+        verdict = json.loads(store.get(self._key("verdict", incident)))
+        missing = [int(rank) for rank in verdict["missing"]]
+        devices = [d for r in missing for d in self.rank_devices_of(r)[:1]]
+        return RankLost(missing, devices, str(verdict["reason"]))
 
     def rank_devices_of(self, rank: int) -> tuple[Device, ...]:
         if rank < len(self.rank_devices) and self.rank_devices[rank]:

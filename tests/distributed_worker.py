@@ -660,6 +660,22 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         result = await t.fit(Late(), epochs=1)
         report["global_step"] = result.global_step
         report["params"] = [p.detach().clone() for p in t.model.parameters()]
+    elif scenario == "roll-call":  # 3 ranks: rank 0 finds a collective broken while rank 2
+        # waits on it in one, and rank 1 says nothing; rank 0 then leaves, which breaks rank 2's
+        devices = asyncddp.cpu_devices(1)
+        comm = _comm.Comm(devices, 1, "roll-call")
+        comm.setup()
+        if rank == 0:
+            await asyncio.sleep(0.5)  # rank 2 is in its collective
+            lost = comm.lost(RuntimeError("injected: a collective broke"))
+            report["lost"] = list(lost.ranks)
+        elif rank == 1:
+            await asyncio.sleep(_comm.ALIVE_WAIT + 5.0)  # silent past rank 0's roll call and exit
+        else:
+            try:
+                comm._all_reduce(torch.zeros(8))
+            except _comm.RankLost as error:
+                report["lost"] = list(error.ranks)
     elif scenario == "out-of-step":  # rank 0 validates while rank 1 fits
         t = trainer(1)
         try:
@@ -714,6 +730,7 @@ def serve() -> None:
                         forked_rank(request["scenario"], request["out"], request["env"])
                     except BaseException:  # as an uncaught exception ends an interpreter
                         traceback.print_exc()
+                        sys.stdout.flush()
                         sys.stderr.flush()
                     os._exit(1)
                 ranks.add(pid)
@@ -732,6 +749,7 @@ def forked_rank(scenario: str, out: str, env: dict[str, str]) -> None:
     # The fork server imported torch before this rank's environment existed, so torch read no
     # OMP_NUM_THREADS: size the intra-op pool as a fresh process with it would be.
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    torch.seed()  # every rank would start from the server's random state, not one of its own
     log = os.open(Path(out) / f"rank{env['RANK']}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)  # the server's requests are not the rank's
