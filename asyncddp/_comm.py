@@ -601,8 +601,7 @@ class Comm:
         if self._verdict is not None and self._verdict[0] == incident:
             lost, self._verdict = self._verdict[1], None
             return lost
-        missing = [0]
-        answered = False  # whether the store answered the roll call once
+        missing = [0]  # until the store answers: it lives in rank 0's process (see below)
         try:
             store = dist.distributed_c10d._get_default_store()
             if store.check([self._key("verdict", incident)]):  # a survivor gave one already
@@ -610,11 +609,11 @@ class Comm:
             store.set(self._key("call", incident), "1")
             store.set(self._key("alive", incident) + f"/{self.rank}", "1")
             deadline = time.monotonic() + ALIVE_WAIT
+            alive = self._key("alive", incident)
             waiting = list(range(self.world_size))
             while waiting and time.monotonic() < deadline:
-                alive = self._key("alive", incident)
                 waiting = [r for r in waiting if not store.check([f"{alive}/{r}"])]
-                missing, answered = waiting, True
+                missing = waiting
                 time.sleep(0.05)
             verdict = json.dumps({"missing": missing, "reason": _message(error)})
             store.compare_set(self._key("verdict", incident), "", verdict)  # the first stays
@@ -624,10 +623,8 @@ class Comm:
             # Gone before it answered: rank 0 is what was lost. Gone after: rank 0 answered
             # the roll call, gave its verdict first and went on (its process ended), and the
             # ranks that had not answered by then are the lost ones.
-            if not answered:
-                missing = [0]
-        devices = [d for r in missing for d in self.rank_devices_of(r)[:1]]
-        return RankLost(missing, devices, _message(error))
+            pass
+        return self._rank_lost(missing, _message(error))
 
     def _answer_roll_call(self) -> RankLost | None:
         """While a collective waits: if a survivor called the roll (:meth:`lost`), answer it
@@ -646,9 +643,11 @@ class Comm:
     def _verdict_of(self, store: Any, incident: int) -> RankLost:
         """The verdict a survivor gave on ``incident`` (the first, if several did)."""
         verdict = json.loads(store.get(self._key("verdict", incident)))
-        missing = [int(rank) for rank in verdict["missing"]]
+        return self._rank_lost([int(rank) for rank in verdict["missing"]], str(verdict["reason"]))
+
+    def _rank_lost(self, missing: Sequence[int], reason: str) -> RankLost:
         devices = [d for r in missing for d in self.rank_devices_of(r)[:1]]
-        return RankLost(missing, devices, str(verdict["reason"]))
+        return RankLost(missing, devices, reason)
 
     def rank_devices_of(self, rank: int) -> tuple[Device, ...]:
         if rank < len(self.rank_devices) and self.rank_devices[rank]:
