@@ -9,6 +9,7 @@ forks ranks that need not import torch again.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import functools
 import json
 import os
@@ -764,6 +765,9 @@ def run_rank(scenario: str, out_dir: str) -> None:
     """Run ``scenario`` as the rank the environment names; write its report and exit."""
     out = Path(out_dir)
     rank = int(os.environ["RANK"])
+    # A rank that outlives its test's timeout is sent SIGUSR1 first: it writes every thread's
+    # stack to its log, which the failure shows.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if "PACK_ELEMENTS" in os.environ:  # the test's choice of exchange: see _comm.PACK_ELEMENTS
         _comm.PACK_ELEMENTS = int(os.environ["PACK_ELEMENTS"])
     if scenario == "exact-nccl":

@@ -170,6 +170,9 @@ class Rank:
         except subprocess.TimeoutExpired:
             return None
 
+    def pid(self) -> int:
+        return self._pid if self._popen is None else self._popen.pid
+
     def kill(self) -> None:
         if self.wait(0) is None:
             if self._popen is None:
@@ -181,6 +184,20 @@ class Rank:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def stacks(ranks: list[Rank]) -> str:
+    """Every rank's output, with the Python stack of each thread of those still running (a
+    hang's report: each rank dumps its threads on SIGUSR1, see ``distributed_worker``)."""
+    running = [rank for rank, process in enumerate(ranks) if process.wait(0) is None]
+    for rank in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(ranks[rank].pid(), signal.SIGUSR1)
+    time.sleep(1.0)  # for the dumps to be written
+    return "\n".join(
+        f"--- rank {rank} ({'still running' if rank in running else 'ended'}):\n{process.output()}"
+        for rank, process in enumerate(ranks)
+    )
 
 
 def launch(
@@ -218,7 +235,7 @@ def launch(
         for rank, process in enumerate(ranks):
             code = process.wait(max(1.0, timeout - (time.monotonic() - started)))
             if code is None:
-                pytest.fail(f"rank {rank} still ran after {timeout:.0f} s:\n{process.output()}")
+                pytest.fail(f"rank {rank} still ran after {timeout:.0f} s\n{stacks(ranks)}")
             codes.append(code)
     finally:
         for process in ranks:
