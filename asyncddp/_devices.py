@@ -93,6 +93,7 @@ def resolve_devices(spec: DeviceSpec) -> tuple[Device, ...]:
     - ``"auto"``: every visible CUDA GPU, or the CPU when there is none.
     - ``"cuda"``: every visible CUDA GPU. ``"cpu"``: the CPU, one worker.
     - ``"cuda:N"``, ``torch.device("cuda", N)``: that GPU. ``"cpu#N"``: a virtual CPU device.
+      ``"cpu:N"`` is the CPU, as torch reads it.
     - an int ``n``: ``n`` devices: the first ``n`` GPUs, or ``n`` virtual CPU devices (at most
       1024) when no GPU is visible, so that a script written for GPUs also runs on a laptop.
     - a sequence of the above, where an int means a CUDA index (``[0, 2]`` is ``cuda:0`` and
@@ -191,8 +192,10 @@ def _parse(text: str) -> list[tuple[torch.device, str]]:
             return [_cuda(int(number), text)]
         if kind == "cpu" and sep == "#":
             return [(torch.device("cpu"), f"cpu#{int(number)}")]
+        if kind == "cpu":  # torch reads "cpu:N" as the CPU, as it reads torch.device("cpu", N)
+            return [(torch.device("cpu"), "cpu")]
     raise DeviceError(
-        f"unknown device {text!r}; give 'auto', 'cuda', 'cpu', 'cuda:N' or an int. "
+        f"unknown device {text!r}; give 'auto', 'cuda', 'cpu', 'cuda:N', 'cpu#N' or an int. "
         f"For several workers on the CPU, {CPU_HINT}"
     )
 

@@ -62,6 +62,22 @@ def test_without_cuda() -> None:
     assert names(resolve_devices(["cpu#0", "cpu#1"])) == ["cpu#0", "cpu#1"]
 
 
+@pytest.mark.usefixtures("no_gpu")
+def test_cpu_with_an_index_is_the_cpu_as_torch_reads_it() -> None:
+    # torch.device("cpu:0") is the CPU, and resolve_devices took the torch.device; the same
+    # text was refused as an unknown device.
+    assert names(resolve_devices("cpu:0")) == ["cpu"]
+    assert names(resolve_devices(" CPU:1 ")) == names(resolve_devices(torch.device("cpu:1")))
+    with pytest.raises(DeviceError, match=r"device cpu is given twice.*cpu_devices"):
+        resolve_devices(["cpu:0", "cpu:1"])
+
+
+@pytest.mark.usefixtures("no_gpu")
+def test_an_unknown_device_s_message_names_every_spelling() -> None:
+    with pytest.raises(DeviceError, match="'cuda:N', 'cpu#N' or an int"):
+        resolve_devices("gpu:0")
+
+
 @pytest.mark.usefixtures("two_gpus")
 def test_with_cuda() -> None:
     assert names(resolve_devices("auto")) == ["cuda:0", "cuda:1"]
