@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -150,27 +151,35 @@ class Resumable(Epochs):
         self._hub.publish(CheckpointSaved(str(written), state["epoch"], state["global_step"]))
         return written
 
-    async def _resume_state(self, resume: str | os.PathLike[str]) -> dict[str, Any]:
-        """The state to resume from: across ranks, rank 0 reads it and sends it to every rank."""
+    async def _resume_state(self, resume: str | os.PathLike[str]) -> dict[str, Any] | None:
+        """The state to resume from: across ranks, rank 0 reads it and sends it to every rank.
+        None for ``"latest"`` with no checkpoint written yet (a fresh start)."""
         comm = self._comm
         if comm is None:
             return await self._read_checkpoint(resume)
         state = await self._read_checkpoint(resume) if comm.rank == 0 else None
-        shared: dict[str, Any]
+        shared: dict[str, Any] | None
         shared, cancellation = await collective(comm.share, state)
         if cancellation is not None:
             raise cancellation
         return shared
 
-    async def _read_checkpoint(self, resume: str | os.PathLike[str]) -> dict[str, Any]:
+    async def _read_checkpoint(self, resume: str | os.PathLike[str]) -> dict[str, Any] | None:
         if str(resume) == "latest":
             if self.checkpoint_dir is None:
                 raise ConfigurationError("resume='latest' needs Trainer(checkpoint_dir=...)")
             path = _checkpoint.latest_checkpoint(self.checkpoint_dir)
             if path is None:
-                raise ConfigurationError(
-                    f"resume='latest': no checkpoint in {str(self.checkpoint_dir)!r}"
+                # Not an error: a script that always resumes from the latest checkpoint must
+                # be able to run the first time, before it wrote one (as Lightning's
+                # ckpt_path="last").
+                warnings.warn(
+                    f"resume='latest': no checkpoint in {str(self.checkpoint_dir)!r} yet; "
+                    "training from scratch",
+                    UserWarning,
+                    stacklevel=4,  # fit's caller: fit -> _resume_state -> here
                 )
+                return None
         else:
             path = Path(resume)
         return await anyio.to_thread.run_sync(_checkpoint.load, path)

@@ -411,7 +411,8 @@ class Trainer(Resumable):
             epochs: Epochs to have completed when ``fit`` returns.
             valid_data: Batches to validate on after every epoch.
             resume: A checkpoint to continue from, or ``"latest"`` for the newest one in
-                ``checkpoint_dir``.
+                ``checkpoint_dir`` (none there yet: a warning, and training starts from
+                scratch).
 
         Returns:
             The epochs completed by this call, and whether ``stop()`` ended it.
@@ -424,8 +425,14 @@ class Trainer(Resumable):
                 iterator (a generator, say), which can be read once, and more than one epoch
                 is to run, or a map-style ``Dataset`` (pass a ``DataLoader`` over it).
             CheckpointError: ``resume`` names a checkpoint that cannot be read.
-            ConfigurationError: ``epochs < 1``, or ``resume="latest"`` with none to find, or
-                the optimizer or LR scheduler factory raised (its error is the cause).
+            ConfigurationError: ``epochs < 1``, or ``resume="latest"`` without a
+                ``checkpoint_dir``, or the optimizer or LR scheduler factory raised (its error
+                is the cause).
+
+        Warns:
+            UserWarning: ``epochs`` are complete already, so the call trains nothing; or
+                ``resume="latest"`` found no checkpoint in ``checkpoint_dir`` yet, so training
+                starts from scratch (a resumable script's first run).
 
         Cancellation handling:
             Cancelling the task that awaits ``fit`` stops at once: the running jobs finish
@@ -455,6 +462,15 @@ class Trainer(Resumable):
             await self._wait_for_checkpoint_session()
             if state is not None:
                 self._adopt(state)
+            if self.epoch >= epochs:
+                done = f"{self.epoch} epoch{'' if self.epoch == 1 else 's'}"
+                warnings.warn(
+                    f"fit(epochs={epochs}) trains nothing: the trainer has completed {done} "
+                    "already, and epochs counts from the start of training (as Lightning's "
+                    f"max_epochs); pass epochs={self.epoch + epochs} to train {epochs} more",
+                    UserWarning,
+                    stacklevel=2,
+                )
             passes = epochs - self.epoch - (1 if self._epoch_trained else 0)
             _check_data(train_data, "train_data", passes)
             self._check_continued(train_data, passes)

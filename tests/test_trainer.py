@@ -567,7 +567,8 @@ async def test_fit_again_continues_training() -> None:
     again = await trainer.fit(batches, epochs=3)
     assert [record.epoch for record in again.history] == [1, 2]
     assert_close(trainer.model, expected)
-    done = await trainer.fit(batches, epochs=3)  # nothing left to do
+    with pytest.warns(UserWarning, match="trains nothing"):
+        done = await trainer.fit(batches, epochs=3)  # nothing left to do
     assert done.history == ()
 
 
@@ -1016,6 +1017,56 @@ async def test_resume_latest_from_the_checkpoint_dir(tmp_path: Any) -> None:
     assert [r.epoch for r in result.history] == [2]
     assert [r.epoch for r in again.history] == [0, 1, 2]
     assert_close(again.model, reference(batches, 3, SGD))
+
+
+async def test_resume_latest_with_no_checkpoint_yet_warns_and_starts_from_scratch(
+    tmp_path: Any,
+) -> None:
+    # The resumable script's first run: resume="latest" is set once and for all, as with
+    # Lightning's ckpt_path="last"; it raised a ConfigurationError before any checkpoint was
+    # written, so the script could never make its first one.
+    batches = make_batches([4, 4])
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(2),
+        checkpoint_dir=tmp_path / "checkpoints",
+        progress_bar=False,
+    )
+    with pytest.warns(UserWarning, match="no checkpoint in .*checkpoints.*from scratch"):
+        result = await trainer.fit(batches, epochs=2, resume="latest")
+    assert result.epoch == 2
+    assert_close(trainer.model, reference(batches, 2, SGD))
+    again = Trainer(
+        make_model(seed=5),
+        SGD,
+        loss_step,
+        devices=cpu_devices(2),
+        checkpoint_dir=tmp_path / "checkpoints",
+        progress_bar=False,
+    )
+    result = await again.fit(batches, epochs=3, resume="latest")  # the second run resumes
+    assert [r.epoch for r in result.history] == [2]
+    assert_close(again.model, reference(batches, 3, SGD))
+
+
+async def test_fit_to_epochs_already_complete_warns_and_trains_nothing() -> None:
+    # epochs counts from the start of training (Lightning's max_epochs); a second
+    # fit(epochs=2) after two epochs returned an empty history without a word, and a
+    # script reading result.history[-1] then failed with an IndexError.
+    batches = make_batches([4, 4])
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    await trainer.fit(batches, epochs=2)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.warns(UserWarning, match=r"epochs=2.*2 epochs.*epochs=4 to train 2 more"):
+        result = await trainer.fit(batches, epochs=2)
+    assert result.history == ()
+    assert (result.epoch, trainer.global_step) == (2, 4)
+    for old, new in zip(before, trainer.model.parameters(), strict=True):
+        assert torch.equal(old, new)
+    result = await trainer.fit(batches, epochs=3)  # one more: no warning
+    assert [r.epoch for r in result.history] == [2]
 
 
 async def test_save_checkpoint_while_a_fit_ends_waits_for_the_end(
