@@ -26,7 +26,7 @@ async def main() -> None:
         torch.nn.Linear(8, 1),
         functools.partial(torch.optim.SGD, lr=0.1),
         step,
-        devices=asyncddp.cpu_devices(2),  # or "auto": every GPU
+        devices=asyncddp.cpu_devices(2),  # or "auto": every GPU, else one CPU worker
     )
     result = await trainer.fit(batches, epochs=5)  # the event loop stays free meanwhile
     print(f"loss {result.history[0].train_loss:.4f} -> {result.history[-1].train_loss:.6f}")

@@ -16,7 +16,7 @@ def square_sum(ctx: asyncddp.WorkerContext, shard: torch.Tensor) -> float:
 
 
 async def main() -> None:
-    devices = asyncddp.cpu_devices(2)  # or "auto": every GPU
+    devices = asyncddp.cpu_devices(2)  # or "auto": every GPU, else one CPU worker
     async with asyncddp.StepScheduler(devices, step_timeout=60) as scheduler:
         batch = torch.arange(10.0)
         result = await scheduler.run(square_sum, batch.tensor_split(len(devices)))
