@@ -214,15 +214,13 @@ DEVICE_FAULTS: tuple[type[BaseException], ...] = (
 
 
 def build_replica(
-    source: nn.Module,
+    model: nn.Module,
     device: Device,
     *,
-    use_source: bool,
     optimizer: OptimizerFactory,
     scheduler: SchedulerFactory | None,
 ) -> Replica:
-    """Copy ``source`` onto ``device`` (or use it as it is) and give it an optimizer."""
-    model = source if use_source else copy.deepcopy(source).to(device.torch_device)
+    """Give ``model``, on ``device`` already, an optimizer (and an LR scheduler)."""
     opt = _made_by(
         optimizer,
         # A list, not a generator: a factory may read it twice (decay and no-decay groups).

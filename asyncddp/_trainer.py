@@ -27,6 +27,7 @@ across the devices, and the failure policy), ``_epochs`` (epochs and validation)
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import logging
 import os
@@ -125,8 +126,10 @@ class Trainer(Resumable):
         result = await trainer.fit(train_loader, epochs=5, valid_data=valid_loader)
 
     Args:
-        model: The module to train. It is replicated onto every device; ``trainer.model`` is
-            the replica on the first device (the module itself when it already lives there).
+        model: The module to train. The first ``fit`` (or ``validate``) moves it to the
+            first device in place, as ``model.to(device)`` does, and trains it there; the
+            other devices train copies. So ``model`` is ``trainer.model``, the trained model,
+            on a GPU as on the CPU.
         optimizer: A factory ``params -> Optimizer``, called once per replica, for example
             ``functools.partial(torch.optim.AdamW, lr=1e-3)``.
         step: ``step(model, batch) -> loss``, the loss a scalar tensor, the mean over the
@@ -344,7 +347,8 @@ class Trainer(Resumable):
 
     @property
     def model(self) -> nn.Module:
-        """The trained model: the replica on the first device.
+        """The trained model: the module passed in, on the first device once a call moved it
+        there (the other devices train copies of it).
 
         Between calls it is yours to change as a plain loop's model (load weights into it,
         freeze a layer, ``eval()``): each ``fit`` and ``validate`` copies it to the other
@@ -733,17 +737,25 @@ class Trainer(Resumable):
 
     async def _build_replicas(self) -> None:
         source = self._source
-        first_param = next(source.parameters())
         parts = len(self.devices)
         lone = self._lone()
 
-        def build(ctx: Any, index: int) -> Replica:
+        # The first device trains the module passed in, moved there in place as Module.to
+        # moves a module (Lightning and Accelerate move it so too): the caller's own model is
+        # the trained one on a GPU as on the CPU. The other devices train copies of it, each
+        # made on its own worker before the module moves (the first job), never from a module
+        # half moved.
+        def copy_source(ctx: Any, index: int) -> nn.Module | None:
+            if index == 0:
+                return None
+            return copy.deepcopy(source).to(self.devices[index].torch_device)
+
+        def build(ctx: Any, placed: tuple[int, nn.Module | None]) -> Replica:
+            index, model = placed
             device = self.devices[index]
-            use_source = index == 0 and first_param.device == device.torch_device
             replica = build_replica(
-                source,
+                source.to(device.torch_device) if model is None else model,
                 device,
-                use_source=use_source,
                 optimizer=self._optimizer_factory,
                 scheduler=self._scheduler_factory,
             )
@@ -756,7 +768,12 @@ class Trainer(Resumable):
         scheduler = self._require_scheduler()
         timeout, scheduler.step_timeout = scheduler.step_timeout, None
         try:
-            result = await self._scheduler_run(build, list(range(parts)), phase="setup")
+            copies: list[nn.Module | None] = [None] * parts
+            if parts > 1:
+                copied = await self._scheduler_run(copy_source, list(range(parts)), phase="setup")
+                copies = list(copied.outputs)
+            placed = list(enumerate(copies))
+            result = await self._scheduler_run(build, placed, phase="setup")
         except WorkerFailedError as error:
             cause = error.__cause__
             if isinstance(cause, ConfigurationError):

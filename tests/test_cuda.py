@@ -112,6 +112,19 @@ async def test_one_gpu_matches_the_plain_loop_on_it() -> None:
     assert 0.0 <= last.train_metrics["accuracy"] <= 1.0
 
 
+async def test_the_model_passed_in_is_moved_to_the_gpu_and_trained_there() -> None:
+    # It stayed on the CPU, untrained, while a copy trained on the GPU: a script that saved
+    # model.state_dict() saved the weights it started from.
+    batches = make_batches([64] * 4)
+    expected = plain_loop(batches, 1, GPU)
+    model = make_model()
+    trainer = Trainer(model, SGD, loss_step, devices=GPU, progress_bar=False)
+    await trainer.fit(batches, epochs=1)
+    assert trainer.model is model
+    assert all(p.device == torch.device(GPU) for p in model.parameters())
+    assert_close(on_cpu(model), expected, 1e-5)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 async def test_mixed_precision_on_a_gpu_matches_autocast_and_grad_scaler(precision: str) -> None:
     batches = make_batches([128] * 8)

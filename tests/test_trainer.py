@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import threading
@@ -204,6 +205,37 @@ async def test_the_model_passed_in_is_the_trained_model_when_it_lives_on_the_fir
     await trainer.fit(make_batches([4, 4]), epochs=1)
     assert trainer.model is model
     assert trainer._replicas[1].model is not model
+
+
+class Recording(nn.Sequential):
+    """A model that notes when it is copied and when the original is moved (``Module.to``)."""
+
+    log: ClassVar[list[str]] = []
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Recording:
+        Recording.log.append("copied")
+        copied = Recording(*(copy.deepcopy(module, memo) for module in self))
+        copied.__dict__["copy_of"] = self  # not a submodule: the original is no part of it
+        return copied
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Recording:
+        if not hasattr(self, "copy_of"):
+            Recording.log.append("moved")
+        return super()._apply(fn, recurse)
+
+
+async def test_the_model_passed_in_moves_to_the_first_device_after_the_others_copied_it() -> None:
+    # Every device but the first trains a copy; the first trains the module passed in, moved
+    # there in place (on a GPU it stayed where it was, untrained, and trainer.model was a
+    # copy). The copies are made before it moves, never from a module half moved.
+    torch.manual_seed(0)
+    model = Recording(nn.Linear(FEATURES, 4), nn.ReLU(), nn.Linear(4, 3))
+    Recording.log.clear()
+    trainer = Trainer(model, SGD, loss_step, devices=cpu_devices(3), progress_bar=False)
+    await trainer.fit(make_batches([4, 4]), epochs=1)
+    assert trainer.model is model
+    assert Recording.log == ["copied", "copied", "moved"]
+    assert all(replica.model.copy_of is model for replica in trainer._replicas[1:])
 
 
 @pytest.mark.parametrize("devices", [1, 2])
