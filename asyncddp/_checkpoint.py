@@ -68,7 +68,7 @@ def save(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
 
 
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a checkpoint written by :func:`save`, onto the CPU.
+    """Read a checkpoint written by `save`, onto the CPU.
 
     Raises:
         CheckpointError: the file is missing, truncated, corrupt, or not an asyncddp checkpoint.
@@ -107,7 +107,7 @@ def check_fits(
     """Refuse, before anything of it is taken, a state that cannot load into this trainer.
 
     A state lacking an entry every state has, or whose model, optimizer or LR scheduler state
-    does not load into this trainer's, raises :class:`CheckpointError` and leaves the trainer
+    does not load into this trainer's, raises `CheckpointError` and leaves the trainer
     as it was: a load that failed half way would leave the position of one state and the
     weights of another.
 
@@ -119,7 +119,7 @@ def check_fits(
     ``optimizer``, the first replica's, once there is one (its groups are fixed when it is
     built), else against the probe optimizer. A model that cannot be copied has only its
     shapes checked; a factory that raises on meta tensors leaves the optimizer's groups to the
-    check at the next session start (:func:`check_optimizer_fits`) and the scheduler's state
+    check at the next session start (`check_optimizer_fits`) and the scheduler's state
     unchecked.
     """
     if not isinstance(state, Mapping):
@@ -272,7 +272,7 @@ _LOADER_GENERATORS = (
 def capture_rng(data: object = None) -> dict[str, Any]:
     """The state of every random number generator training may draw from: torch's, Python's
     and NumPy's global ones, and those ``data`` (a loader) owns (see
-    :func:`capture_loader_rng`)."""
+    `capture_loader_rng`)."""
     numpy_state = cast(tuple[Any, ...], np.random.get_state(legacy=True))
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -288,7 +288,7 @@ def capture_rng(data: object = None) -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any], data: object = None) -> None:
-    """Put every generator back in the state :func:`capture_rng` saw, ``data``'s own too
+    """Put every generator back in the state `capture_rng` saw, ``data``'s own too
     (a state saved without them, by an earlier version, leaves them as they are)."""
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
@@ -314,7 +314,7 @@ def capture_loader_rng(data: object) -> dict[str, torch.Tensor]:
 
 
 def restore_loader_rng(data: object, states: dict[str, torch.Tensor]) -> None:
-    """Put ``data``'s generators back in the states :func:`capture_loader_rng` saw (by where
+    """Put ``data``'s generators back in the states `capture_loader_rng` saw (by where
     they are; a generator ``data`` has at no saved place is left as it is)."""
     for path in _LOADER_GENERATORS:
         state = states.get(".".join(path))

@@ -1,5 +1,5 @@
 """Argument checks shared by the public constructors: a wrong type or value raises
-:class:`ConfigurationError` naming the argument, before any thread starts. What passes comes
+`ConfigurationError` naming the argument, before any thread starts. What passes comes
 back as a plain Python value (a NumPy int as an ``int``, say)."""
 
 from __future__ import annotations

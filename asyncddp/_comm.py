@@ -84,7 +84,7 @@ PACK_ELEMENTS = 16 * 1024
 ALIVE_WAIT = 5.0
 
 #: With 3 or more ranks, how long a collective waits before its rank looks in the store for a
-#: roll call (see :meth:`Comm.lost`), and again after each look.
+#: roll call (see `Comm.lost`), and again after each look.
 ROLL_CALL_POLL = datetime.timedelta(seconds=1.0)
 
 
@@ -102,7 +102,7 @@ class Failure:
     cause: bytes | None  # the original exception, pickled, when it pickles
 
     def error(self) -> WorkerFailedError:
-        """A :class:`WorkerFailedError` naming this failure's rank and device."""
+        """A `WorkerFailedError` naming this failure's rank and device."""
         error = WorkerFailedError(
             device=self.device,
             rank=self.rank,
@@ -293,9 +293,9 @@ class Comm:
         counted: bool = False,
         meanwhile: Callable[[], None] | None = None,
     ) -> Global:
-        """One exchange's header (blocking). Raises :class:`PeerFailed` if a rank failed.
+        """One exchange's header (blocking). Raises `PeerFailed` if a rank failed.
 
-        ``buckets`` (a step's gradients, laid out as :attr:`layout`) are summed over the ranks
+        ``buckets`` (a step's gradients, laid out as `layout`) are summed over the ranks
         in place at the same time, so the header costs no round trip of its own; when a rank
         failed their sums are meaningless, and dropped.
 
@@ -349,10 +349,10 @@ class Comm:
         )
 
     def packed(self) -> bool:
-        """Whether a step's gradients travel inside its header (see :data:`PACK_ELEMENTS`):
+        """Whether a step's gradients travel inside its header (see `PACK_ELEMENTS`):
         then every header has room for them (zeros when it carries none), so that a rank that
         announces a failure sends what the others' exchange has, whichever it is. Only once
-        :meth:`setup` found every rank alike."""
+        `setup` found every rank alike."""
         return self._packed
 
     def _packable(self) -> bool:
@@ -366,7 +366,7 @@ class Comm:
     def _header_tensor(
         self, row: list[float], buckets: Sequence[torch.Tensor] = ()
     ) -> torch.Tensor:
-        """The header to all-reduce: ``row``, followed when :meth:`packed` by the step's
+        """The header to all-reduce: ``row``, followed when `packed` by the step's
         gradients ``buckets`` (zeros without them); on the CPU."""
         header = torch.tensor(row, dtype=torch.float64)
         if not self.packed():
@@ -435,7 +435,7 @@ class Comm:
         """Rank 0's ``tensors`` into this rank's, in place, from a thread of its own: on a GPU
         it waits for the copies, so that every stream sees them (blocking). A header comes
         first, so that a rank that failed before (or was cancelled while joining) is heard of
-        here, as in :meth:`share` (under a kind of its own: a rank in :meth:`share`, which
+        here, as in `share` (under a kind of its own: a rank in `share`, which
         another fit's ``resume`` calls, is out of step with it)."""
         self.header(MODEL)
         self.broadcast_buffers(tensors)
@@ -516,7 +516,7 @@ class Comm:
         """Sum ``values`` (a header, on the CPU) and ``buckets`` over the ranks, in place.
 
         ``meanwhile`` runs between starting the all-reduces and waiting for them (see
-        :meth:`header`).
+        `header`).
         """
         sent = values.to(self._wire)  # the tensor itself when it is there already (gloo)
         try:
@@ -548,11 +548,11 @@ class Comm:
         """Wait for ``work``, one of an exchange's collectives.
 
         With 3 or more ranks over gloo, gloo tells of a dead rank only the ranks that talk to
-        it at that moment. A rank that waits on a survivor instead, itself in :meth:`lost`
+        it at that moment. A rank that waits on a survivor instead, itself in `lost`
         waiting for signs of life, would hear of nothing until that survivor had given up,
         named this rank among the lost, and exited; and it would then name that survivor, its
         store gone with it. So a long wait answers a survivor's roll call and keeps its
-        verdict, for :meth:`lost` to give once the collective breaks (as it does when that
+        verdict, for `lost` to give once the collective breaks (as it does when that
         survivor leaves): a collective is never left running, as the group could not be left
         while it runs. The all-reduces of headers and gradients wait so, where the ranks spend
         their exchanges; the rarer collectives (gathering failures or metric names,
@@ -590,7 +590,7 @@ class Comm:
 
         With 3 or more ranks, a roll call in the process group's store: each survivor that
         finds a collective broken says it is alive and waits up to ``ALIVE_WAIT`` for the
-        others; ranks still waiting in a collective answer it too (see :meth:`_wait`) and take
+        others; ranks still waiting in a collective answer it too (see `_wait`) and take
         the verdict of the first survivor that gave one.
         """
         self._incident += 1
@@ -627,7 +627,7 @@ class Comm:
         return self._rank_lost(missing, _message(error))
 
     def _answer_roll_call(self) -> RankLost | None:
-        """While a collective waits: if a survivor called the roll (:meth:`lost`), answer it
+        """While a collective waits: if a survivor called the roll (`lost`), answer it
         and return its verdict; None if none called it."""
         incident = self._incident + 1
         try:

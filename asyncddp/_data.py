@@ -102,7 +102,7 @@ def _holds_tensor_runs(value: object) -> bool:
 
 
 def check_batch(batch: object, data: object, name: str) -> int:
-    """:func:`items_in` for a batch of ``data`` (the argument called ``name``), with a hint when
+    """`items_in` for a batch of ``data`` (the argument called ``name``), with a hint when
     ``data`` is a ``Dataset``: it yields single samples, which are rarely batches."""
     try:
         return items_in(batch)
@@ -121,7 +121,7 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
 
     Shard sizes differ by one at most; when the batch has fewer items than ``parts``, the last
     shards are empty (0 items). The shards are views (a sparse COO tensor's are copies). A
-    sparse tensor of another layout is refused (:class:`DataError`). A list or tuple of
+    sparse tensor of another layout is refused (`DataError`). A list or tuple of
     strings (or bytes) as long as the batch is split with it: one per item, as
     ``default_collate`` makes of a text field. Any other value goes whole to every shard.
     """
@@ -189,7 +189,7 @@ def move_to(value: Any, device: torch.device, *, non_blocking: bool = False) -> 
 
 
 def holds_cuda(value: Any) -> bool:
-    """Whether ``value`` holds a tensor on a GPU (in the containers :func:`move_to` walks)."""
+    """Whether ``value`` holds a tensor on a GPU (in the containers `move_to` walks)."""
     if isinstance(value, torch.Tensor):
         return value.is_cuda
     if isinstance(value, Mapping):
@@ -286,7 +286,7 @@ def _splittable(value: object) -> bool:
 
 
 def _sizes_in_order(value: object) -> list[int]:
-    """The dim 0 sizes of the tensors in ``value``, in the order :func:`_describe` lists them."""
+    """The dim 0 sizes of the tensors in ``value``, in the order `_describe` lists them."""
     if isinstance(value, torch.Tensor):
         return [int(value.shape[0])] if value.dim() > 0 else []
     if isinstance(value, Mapping):

@@ -1,7 +1,7 @@
 """Devices: which devices a scheduler runs on, checked before any thread starts.
 
-A :class:`Device` is one worker's device. Several workers may compute on the same physical
-device: :func:`cpu_devices` makes ``n`` virtual CPU devices (``cpu#0`` ... ``cpu#{n-1}``), which
+A `Device` is one worker's device. Several workers may compute on the same physical
+device: `cpu_devices` makes ``n`` virtual CPU devices (``cpu#0`` ... ``cpu#{n-1}``), which
 is how tests, CI and notebooks without a GPU run the real multi-device code paths.
 """
 
@@ -48,8 +48,8 @@ class Device:
         return self.name
 
 
-#: What :func:`resolve_devices` accepts: a string, an int, a ``torch.device``, a
-#: :class:`Device`, or a sequence of these.
+#: What `resolve_devices` accepts: a string, an int, a ``torch.device``, a
+#: `Device`, or a sequence of these.
 DeviceSpec: TypeAlias = (
     "str | int | torch.device | Device | Iterable[str | int | torch.device | Device]"
 )
@@ -98,7 +98,7 @@ def resolve_devices(spec: DeviceSpec) -> tuple[Device, ...]:
       1024) when no GPU is visible, so that a script written for GPUs also runs on a laptop.
     - a sequence of the above, where an int means a CUDA index (``[0, 2]`` is ``cuda:0`` and
       ``cuda:2``), as in Lightning.
-    - :class:`Device` values, for example from :func:`cpu_devices`.
+    - `Device` values, for example from `cpu_devices`.
 
     Args:
         spec: The devices to use.

@@ -2,7 +2,7 @@
 
 Within a rank a step runs forward and backward on every device and sums their gradients (a
 reduce-scatter into each device's scratch buffer, as the exchanged chunks must not be live
-gradients, see :mod:`._sync`); then one exchange with the other ranks (:mod:`._comm`): the header,
+gradients, see `._sync`); then one exchange with the other ranks (`._comm`): the header,
 whose sums give every rank the step's global item count, loss, metrics, ``stop()`` requests and
 failures, then the gradient buckets. The gradients are summed over items (each device's loss is
 multiplied by its item count), so dividing the all-reduced sum by the global item count gives
@@ -54,7 +54,7 @@ async def collective(fn: Callable[..., T], *args: Any) -> tuple[T, BaseException
     Returns ``fn``'s value and the asyncio cancellation that came meanwhile, which the caller
     must re-raise, as that very object; a cancel scope's (trio, anyio) is held off and comes
     back by itself at the next checkpoint. If ``fn`` raised, so does this: with a cancellation,
-    the cancellation, caused by ``fn``'s error (as :meth:`StepScheduler.run`).
+    the cancellation, caused by ``fn``'s error (as `StepScheduler.run`).
     """
     waker = current_waker()
     outcome: list[tuple[bool, Any]] = []
@@ -81,7 +81,7 @@ async def collective(fn: Callable[..., T], *args: Any) -> tuple[T, BaseException
 
 
 class DistributedSteps(Steps):
-    """The cross-rank step of :class:`Trainer` (a mixin: the trainer owns the state)."""
+    """The cross-rank step of `Trainer` (a mixin: the trainer owns the state)."""
 
     _comm: Comm | None
     _from_rank_0: bool  # whether this rank has taken rank 0's model since joining
@@ -184,7 +184,7 @@ class DistributedSteps(Steps):
     async def _across_ranks(self, error: BaseException) -> BaseException:
         """What to raise for ``error`` in a process group, after the other ranks know of it.
 
-        Another rank's failure becomes a :class:`WorkerFailedError` naming that rank and its
+        Another rank's failure becomes a `WorkerFailedError` naming that rank and its
         device (its original exception as the cause, when it could be sent); a lost rank, one
         naming the lost rank. This rank's own failure (or cancellation) is announced to the
         others first, then raised as it is, with the rank filled in.

@@ -1,6 +1,6 @@
 """Epochs: iterating the data, stepping, validating, and closing each epoch exactly once.
 
-The :class:`Trainer` is built from three parts: ``_steps`` (one optimizer step across the
+The `Trainer` is built from three parts: ``_steps`` (one optimizer step across the
 devices, and the failure policy), this module (epochs and validation), and ``_resume``
 (where training is, for checkpoints and resuming). They share the trainer's state.
 """
@@ -53,7 +53,7 @@ class EpochRecord:
 
 
 class Epochs(DistributedSteps):
-    """The epoch loop of :class:`Trainer` (a mixin: the trainer owns the state)."""
+    """The epoch loop of `Trainer` (a mixin: the trainer owns the state)."""
 
     epoch: int
     history: list[EpochRecord]
@@ -107,7 +107,7 @@ class Epochs(DistributedSteps):
         a thread, ahead, page-locked when going to a GPU. A list or tuple of batches, with
         nothing to page-lock, is read on the event loop: there is nothing to load, and a
         loader thread would only add a thread wake-up a step. ``replay``: how the epoch's
-        start is replayed (see :class:`Prefetcher`)."""
+        start is replayed (see `Prefetcher`)."""
         transform = pin if self.pin_memory else None
         inline = transform is None and in_memory(data)
         return Prefetcher(
@@ -136,7 +136,7 @@ class Epochs(DistributedSteps):
         """Count the batch the epoch's loader thread, left inside a call into the data by a
         stop or a cancellation, went on to load, once it has returned: that batch's draws
         from the generators were made, so a continued epoch's replay loads it too before it
-        puts the generators back (see :class:`Prefetcher`)."""
+        puts the generators back (see `Prefetcher`)."""
         left = self._left_loading
         if left is not None and not left.left_behind:
             self._left_loading = None

@@ -1,7 +1,7 @@
 """The exceptions asyncddp raises.
 
-Every exception the library raises on purpose derives from :class:`AsyncDDPError`. Bad input
-also derives from :class:`ValueError` or :class:`TypeError`, so code that already catches those
+Every exception the library raises on purpose derives from `AsyncDDPError`. Bad input
+also derives from `ValueError` or `TypeError`, so code that already catches those
 keeps working::
 
     AsyncDDPError
@@ -17,8 +17,8 @@ keeps working::
         ├── WorkerTimeoutError              a device's job did not finish in time
         └── NonFiniteLossError              a device's loss was NaN or infinite
 
-A :class:`WorkerFailedError` keeps the original exception object as ``__cause__`` (type,
-attributes and traceback intact) and stores only numbers, strings and :class:`Device` values
+A `WorkerFailedError` keeps the original exception object as ``__cause__`` (type,
+attributes and traceback intact) and stores only numbers, strings and `Device` values
 itself, so holding on to it pins no tensor beyond what that traceback holds, and it pickles.
 ``KeyboardInterrupt`` and ``SystemExit`` raised inside a job are never wrapped: they reach the
 caller as they are, so that ``except Exception`` cannot swallow a Ctrl-C.
@@ -66,7 +66,7 @@ class ShardError(AsyncDDPError, ValueError):
 
 
 class ConfigurationError(AsyncDDPError, ValueError):
-    """An argument to :class:`Trainer` or ``fit`` cannot work (for example ``epochs=0``)."""
+    """An argument to `Trainer` or ``fit`` cannot work (for example ``epochs=0``)."""
 
 
 class DataError(AsyncDDPError, ValueError):
@@ -95,7 +95,7 @@ class CheckpointError(AsyncDDPError):
 
 
 class SchedulerClosedError(AsyncDDPError, RuntimeError):
-    """A :class:`StepScheduler` was used before ``async with`` entered it or after it closed."""
+    """A `StepScheduler` was used before ``async with`` entered it or after it closed."""
 
 
 def _restore(cls: type[WorkerFailedError], fields: dict[str, Any]) -> WorkerFailedError:
@@ -118,7 +118,7 @@ class WorkerFailedError(AsyncDDPError):
         error_type: The qualified name of the original exception's type.
         error_message: ``str()`` of the original exception.
         other_failures: Failures of other devices in the same step, in the order they happened.
-            Each is a :class:`WorkerFailedError` with its own ``__cause__``.
+            Each is a `WorkerFailedError` with its own ``__cause__``.
     """
 
     def __init__(

@@ -1,7 +1,7 @@
 """The jobs a Trainer runs on its devices' workers, one per device per phase.
 
 Each job finds its replica by ``ctx.device.index`` and runs on that device's worker thread,
-never on the event loop. The trainer hands them to :meth:`StepScheduler.run`.
+never on the event loop. The trainer hands them to `StepScheduler.run`.
 """
 
 from __future__ import annotations
@@ -113,15 +113,15 @@ class ApplyWork:
 
 
 class PeerLeft(Exception):
-    """Raised at a :class:`Meeting` in a device's job when another device's job failed."""
+    """Raised at a `Meeting` in a device's job when another device's job failed."""
 
 
 class Meeting:
     """Where the jobs of one step on several devices wait for each other between its phases,
     and pass on what the next phase needs: the devices' squared norms.
 
-    A job that fails calls :meth:`leave`: every job waiting in a round not yet complete, or
-    coming to a later one, raises :class:`PeerLeft` instead of waiting for it. A round that
+    A job that fails calls `leave`: every job waiting in a round not yet complete, or
+    coming to a later one, raises `PeerLeft` instead of waiting for it. A round that
     is complete stays so (unlike ``threading.Barrier.abort``, which also breaks the parties a
     last arrival has released but that have not woken yet): once every job has passed the last
     meeting, every one steps.
@@ -155,7 +155,7 @@ class Meeting:
                 raise PeerLeft
 
     def share(self, ctx: WorkerContext, value: Any) -> list[Any]:
-        """:meth:`wait`, handing ``value`` to every device; every device's, in device order."""
+        """`wait`, handing ``value`` to every device; every device's, in device order."""
         self._shared[ctx.device.index] = value
         self.wait(ctx)
         return list(self._shared)
@@ -281,7 +281,7 @@ class Jobs:
         """Forward and backward on one shard; gradients accumulate into the flat buffers (a
         lone replica's into its ``.grad``). With ``early_read``, on a GPU, the loss and metrics
         are copied to the host behind the forward and read without waiting for the backward
-        (see :class:`_OnHost`): for a job that does not wait for its stream at its end."""
+        (see `_OnHost`): for a job that does not wait for its stream at its end."""
         replica = self.replicas[ctx.device.index]
         if work.opens_window:
             replica.open_window(work.opens_window)
@@ -618,7 +618,7 @@ def exchange_gradients(
     """The step's exchange (blocking): the header and the gradients together, then rank 0's
     model ``buffers`` if any rank had data (the first replica's; the others copy them in the
     step). ``meanwhile`` runs while the header's all-reduces are in flight (see
-    :meth:`Comm.header`).
+    `Comm.header`).
 
     Returns the global sums, the coefficient to multiply the summed gradients by (the mean
     over items, the loss scale undone, clipping), and whether they are all finite.

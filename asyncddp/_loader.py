@@ -1,7 +1,7 @@
 """Iterating the user's data on a thread of its own, a few batches ahead of training.
 
 A ``DataLoader`` may block for a long time in ``next()`` (disk, decoding, worker processes):
-on the event loop that would freeze every other task. :class:`Prefetcher` calls ``iter()`` and
+on the event loop that would freeze every other task. `Prefetcher` calls ``iter()`` and
 ``next()`` on a named thread (``asyncddp-loader``) and hands batches to the loop through a
 small bounded buffer, so the next batch loads while the devices compute the current one. Data
 that cannot block (batches in a list) is read in place instead (``inline``): a thread would
@@ -9,8 +9,8 @@ only add a wake-up a batch.
 
 Closing never waits for a call into the data: a thread inside ``iter()`` or ``next()`` (a slow
 disk, a stream waiting for data) is left to finish that call, drops what it returns, releases
-its iterator and exits. Until it has, a new :class:`Prefetcher` over the same data waits for it
-(:func:`after_left_behind`): two threads must not read one iterator (an iterator's ``iter()`` is
+its iterator and exits. Until it has, a new `Prefetcher` over the same data waits for it
+(`after_left_behind`): two threads must not read one iterator (an iterator's ``iter()`` is
 itself, a ``DataLoader`` with ``persistent_workers`` hands out the same one), and the call left
 running may still draw from the random number generators that the next reader puts back.
 
@@ -19,9 +19,9 @@ as the interrupted run's loader had loaded, keeping those after the first ``skip
 trained on), and only then calls ``resume`` (which puts the random number generators back as
 the interrupted run left them), before it hands any batch over. A loader that draws random
 numbers itself (augmentation in ``__getitem__`` with ``num_workers=0``) then draws what it drew
-in the interrupted run, and training goes on from the generators' state then. :attr:`loaded`
+in the interrupted run, and training goes on from the generators' state then. `loaded`
 counts the batches loaded so far, a batch a thread left behind finishes loading included (its
-draws were made); :meth:`paused` holds the thread between two batches, so that a checkpoint sees
+draws were made); `paused` holds the thread between two batches, so that a checkpoint sees
 the count and the generators together. A replay cut short by closing stops after the batch it
 is loading, then still calls ``resume``.
 """
@@ -42,13 +42,13 @@ from ._loop import Waker, current_waker
 
 __all__ = ["ENDED", "GAVE_UP", "Prefetcher", "after_left_behind"]
 
-#: What :meth:`Prefetcher.next` returns at the end of the data, and when it gave up waiting.
+#: What `Prefetcher.next` returns at the end of the data, and when it gave up waiting.
 ENDED, GAVE_UP = object(), object()
 
 #: Guards every Prefetcher's hand-over between its thread and the loop, and ``_left_behind``.
 _lock = threading.Lock()
 #: Prefetchers closed while their thread was inside a call into the data, by ``id()`` of that
-#: data's source (see :func:`after_left_behind`); each thread removes itself as it exits, and
+#: data's source (see `after_left_behind`); each thread removes itself as it exits, and
 #: until then holds the source, so its ``id()`` is not reused meanwhile.
 _left_behind: dict[int, list[Prefetcher]] = {}
 
@@ -89,7 +89,7 @@ class Prefetcher:
             thread would only add a wake-up a batch.
         source: The user's object that ``data`` reads (by default ``data`` itself; a rank's
             view of it, say): what a Prefetcher left behind is found by (see
-            :func:`after_left_behind`).
+            `after_left_behind`).
         skip: How many of the first batches to load and drop (trained on already).
         replay: How many batches to load before handing any over (at least ``skip``).
         resume: Called once those are loaded (or closing cut that short), before any batch is
@@ -164,10 +164,10 @@ class Prefetcher:
         return batch
 
     async def next(self, give_up: Callable[[], bool] | None = None) -> Any:
-        """The next batch, or :data:`ENDED` at the end of the data.
+        """The next batch, or `ENDED` at the end of the data.
 
-        ``give_up``: while no batch is loaded, return :data:`GAVE_UP` instead of waiting once
-        it is true; checked again after every :meth:`wake`. Never for ``inline`` data, which has
+        ``give_up``: while no batch is loaded, return `GAVE_UP` instead of waiting once
+        it is true; checked again after every `wake`. Never for ``inline`` data, which has
         its batches at hand.
         """
         if self._inline is not None:
@@ -202,19 +202,19 @@ class Prefetcher:
         return item
 
     def wake(self) -> None:
-        """Wake a :meth:`next` waiting for a batch, to check its ``give_up`` again."""
+        """Wake a `next` waiting for a batch, to check its ``give_up`` again."""
         if self._waker is not None:
             self._waker.wake_threadsafe()
 
     @property
     def source(self) -> object:
-        """The user's object this reads (see :func:`after_left_behind`)."""
+        """The user's object this reads (see `after_left_behind`)."""
         return self._source
 
     @property
     def left_behind(self) -> bool:
         """Whether closing left the thread inside a call into the data, still running: its
-        :attr:`loaded` may still grow by the batch it is loading."""
+        `loaded` may still grow by the batch it is loading."""
         with _lock:
             return self._closed.is_set() and not self._finished.is_set()
 
@@ -222,7 +222,7 @@ class Prefetcher:
     async def paused(self) -> AsyncIterator[int]:
         """Hold the loader thread between two batches (waiting, on a thread, for one it is
         loading, also once a thread closing left behind: its batch counts); yields
-        :attr:`loaded`. A cancellation is taken within 50 ms, even while a slow ``next()``
+        `loaded`. A cancellation is taken within 50 ms, even while a slow ``next()``
         goes on."""
         while not await anyio.to_thread.run_sync(self._drawing.acquire, True, 0.05):
             pass
@@ -243,7 +243,7 @@ class Prefetcher:
         """Stop loading. A thread inside a call into the data (``iter()``, ``next()``) is not
         waited for: it finishes that call in the background, drops what it returns, releases
         its iterator and exits, and a Prefetcher over the same source waits for it to (see
-        :func:`after_left_behind`). A thread outside one is waited for (shielded): it only has
+        `after_left_behind`). A thread outside one is waited for (shielded): it only has
         to release its iterator (for a ``DataLoader``'s, that shuts its worker processes down).
         """
         if self._inline is not None:

@@ -1,6 +1,6 @@
 """The little the scheduler needs from an event loop, for asyncio and for trio.
 
-A :class:`Waker` lets worker threads wake the one task that waits for a step. Waking is
+A `Waker` lets worker threads wake the one task that waits for a step. Waking is
 level-triggered (a wake that comes before the task waits is not lost) and cheap: one
 thread-safe call per wake, no task or thread per device. anyio's public API offers no
 non-blocking "call soon from a thread", which is what a worker needs, so the two backends are
@@ -34,7 +34,7 @@ class Waker(Protocol):
         """
 
     async def wait_shielded(self, deadline: float | None) -> tuple[bool, BaseException | None]:
-        """Like :meth:`wait`, but a cancellation neither interrupts nor is lost.
+        """Like `wait`, but a cancellation neither interrupts nor is lost.
 
         Returns:
             ``(woken, cancellation)``. Under asyncio, ``cancellation`` is the first

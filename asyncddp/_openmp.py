@@ -10,7 +10,7 @@ such a team. A CPU worker's own team then takes the count over the cores (measur
 device on 2 cores, the MLP of ``bench/throughput.py``, 20-35% slower a step, its threads
 sleeping a fifth of the time), while the same loop on the main thread alone runs at full speed.
 
-:func:`release_idle_threads` lets the calling thread's idle team go (OpenMP 5.0's
+`release_idle_threads` lets the calling thread's idle team go (OpenMP 5.0's
 ``omp_pause_resource_all``, which libgomp implements for the calling thread only: other threads'
 teams, such as other workers', are untouched; inside a parallel region it refuses). A later
 parallel op on that thread starts a new team, in about a tenth of a millisecond. Anything else

@@ -1,7 +1,7 @@
 """Progress counts, and the pure aggregator that keeps them exact and monotonic.
 
 Counting is kept apart from showing (a progress bar or an event stream reads a
-:class:`Progress`; it never counts): :class:`ProgressTracker` adds each step's per-device item
+`Progress`; it never counts): `ProgressTracker` adds each step's per-device item
 counts, so a device that runs out of data simply adds zeros and no total ever goes backwards.
 """
 

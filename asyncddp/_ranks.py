@@ -11,7 +11,7 @@ same order on every rank. Any other iterable is iterated in full on every rank, 
 batches skipped. A ``DataLoader`` whose sampler is a ``DistributedSampler`` is sharded already:
 it is used as it is.
 
-Before each epoch (in one process too) :func:`set_sampler_epoch` tells the loader's samplers the
+Before each epoch (in one process too) `set_sampler_epoch` tells the loader's samplers the
 epoch, as Lightning does, so that a sampler that shuffles by epoch draws a new order each epoch.
 """
 
@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 #: A list of batches longer than this is counted on a thread (see
-#: :func:`rank_items_total_off_loop`).
+#: `rank_items_total_off_loop`).
 COUNT_ON_THREAD = 10_000
 
 
@@ -78,7 +78,7 @@ def rank_view(
     data: Iterable[Any], rank: int, world_size: int, seed: int, epoch: int = 0
 ) -> Iterable[Any]:
     """Rank ``rank``'s part of ``data``, for epoch ``epoch`` (``seed`` is the same on every
-    rank); its samplers are told the epoch (:func:`set_sampler_epoch`)."""
+    rank); its samplers are told the epoch (`set_sampler_epoch`)."""
     set_sampler_epoch(data, epoch)
     if isinstance(data, DataLoader) and isinstance(data.sampler, DistributedSampler):
         return data  # sharded by the user already
@@ -116,7 +116,7 @@ def set_sampler_epoch(data: Iterable[Any], epoch: int) -> None:
 
 
 async def rank_items_total_off_loop(data: Iterable[Any], rank: int, world_size: int) -> int | None:
-    """:func:`rank_items_total`, off the event loop for a long list of batches: counting one
+    """`rank_items_total`, off the event loop for a long list of batches: counting one
     walks every batch (about 1.4 us a batch here, 0.14 s for 100,000), which on the event loop
     would stall every other task on it at each epoch's start."""
     if is_batch_list(data) and len(cast("Sized", data)) > COUNT_ON_THREAD:
@@ -125,7 +125,7 @@ async def rank_items_total_off_loop(data: Iterable[Any], rank: int, world_size: 
 
 
 def rank_items_total(data: Iterable[Any], rank: int, world_size: int) -> int | None:
-    """How many items rank ``rank``'s part of ``data`` holds (see :func:`rank_view`), when that
+    """How many items rank ``rank``'s part of ``data`` holds (see `rank_view`), when that
     can be known without iterating; ``None`` otherwise."""
     sharded = isinstance(data, DataLoader) and isinstance(data.sampler, DistributedSampler)
     if sharded or world_size == 1:

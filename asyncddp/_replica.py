@@ -38,7 +38,7 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
 class Replica:
-    """A device's model, optimizer, LR scheduler and gradients (:class:`FlatGrads`)."""
+    """A device's model, optimizer, LR scheduler and gradients (`FlatGrads`)."""
 
     def __init__(
         self,
@@ -78,7 +78,7 @@ class Replica:
 
     def regroup(self, parts: int, index: int, *, loose: bool = False) -> None:
         """Re-cut the gradient buffers for ``parts`` replicas, this one at ``index`` (or none,
-        ``loose``, for a lone replica in one process: see :class:`FlatGrads`)."""
+        ``loose``, for a lone replica in one process: see `FlatGrads`)."""
         self.grads = FlatGrads(self.params, parts, index, loose=loose)
 
     def open_window(self, window: int) -> None:
@@ -99,7 +99,7 @@ class Replica:
                     saved.copy_(buffer)
 
     def used_mask(self) -> int:
-        """The parameters that got a gradient since :meth:`open_window`, as a bit mask."""
+        """The parameters that got a gradient since `open_window`, as a bit mask."""
         return sum(1 << index for index, used in enumerate(self.used) if used)
 
     def lr(self) -> float | None:
@@ -112,7 +112,7 @@ def check_rebuilt(first: Replica) -> None:
     the replicas were built with; warn of a parameter thawed since.
 
     Values, ``requires_grad``, train/eval mode and extra state changed on ``trainer.model``
-    between calls carry over to every replica (:func:`mirror`), and so does a frozen parameter
+    between calls carry over to every replica (`mirror`), and so does a frozen parameter
     replaced by one of its shape, dtype and device (``module.weight =
     nn.Parameter(pretrained, requires_grad=False)``). A trained parameter replaced, or a
     parameter, module or buffer added or removed (a new layer, ``torch.nn.utils.parametrize``)
@@ -283,9 +283,9 @@ def build_replica(
 def _made_by(
     factory: Callable[[Any], Any], argument: Any, name: str, usage: str, *, swapped: str = ""
 ) -> Any:
-    """``factory(argument)``; what it raises becomes a :class:`ConfigurationError` that says
+    """``factory(argument)``; what it raises becomes a `ConfigurationError` that says
     what the factory is for (``usage``; and ``swapped`` for a ``TypeError``, the sign of
-    arguments given in the wrong order), except a device fault (:data:`DEVICE_FAULTS`)."""
+    arguments given in the wrong order), except a device fault (`DEVICE_FAULTS`)."""
     try:
         return factory(argument)
     except DEVICE_FAULTS:

@@ -7,7 +7,7 @@ states of the loader's generators when the last epoch ended, and how many batche
 loader had loaded. Resuming in mid-epoch replays the epoch's start, so a shuffling
 ``DataLoader`` draws the same order, skips the batches already trained on, and puts the
 generators back as they were once the loader has loaded as many batches as it had (see
-:class:`~asyncddp._loader.Prefetcher`).
+`Prefetcher`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ _log = logging.getLogger("asyncddp")
 
 
 class Resumable(Epochs):
-    """Position, checkpoints and resuming for :class:`Trainer` (a mixin)."""
+    """Position, checkpoints and resuming for `Trainer` (a mixin)."""
 
     _source: nn.Module
     _optimizer_factory: OptimizerFactory
@@ -50,7 +50,7 @@ class Resumable(Epochs):
 
     def _position(self, loaded: int | None = None) -> dict[str, Any]:
         """Where training is; ``loaded``: the batches the running epoch's loader has loaded,
-        counted while it is held (see :meth:`_snapshot`)."""
+        counted while it is held (see `_snapshot`)."""
         self._count_left_loading()
         return {
             "epoch": self.epoch,
@@ -145,7 +145,7 @@ class Resumable(Epochs):
 
     async def _write_checkpoint(self, state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
         """Write ``state`` to ``path`` (atomically, on a thread), then say so: a log record and
-        :class:`CheckpointSaved`, with the epoch and step the state holds."""
+        `CheckpointSaved`, with the epoch and step the state holds."""
         written: Path = await anyio.to_thread.run_sync(_checkpoint.save, state, path)
         _log.info("checkpoint saved: %s", written)
         self._hub.publish(CheckpointSaved(str(written), state["epoch"], state["global_step"]))

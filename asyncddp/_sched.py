@@ -5,7 +5,7 @@ runs before the scheduler may pick another (``sched_setattr``'s ``sched_runtime`
 0.1-100 ms, since 6.12), and from the same release a waking thread whose slice is shorter than
 the running thread's preempts it, provided the waking thread is eligible (it has not run ahead of
 its fair share of the CPU). A CPU worker computes for as long as it can: it asks for a long
-slice (:data:`WORKER_SLICE_MS`). The threads that wake for short work, the event loop's above all
+slice (`WORKER_SLICE_MS`). The threads that wake for short work, the event loop's above all
 (and gloo's, a loader's), keep the default slice, and so mostly get a core as they wake instead
 of waiting for a worker's slice to end: with every core training, that wait was most of the
 event loop's lag (docs/benchmarks.md, "Event-loop lag").

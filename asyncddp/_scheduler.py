@@ -102,7 +102,7 @@ class _Step:
             self.cancel_locked()
 
     def cancel_locked(self) -> None:
-        """:meth:`cancel`, for a caller that holds ``lock`` already."""
+        """`cancel`, for a caller that holds ``lock`` already."""
         self.cancelled = True
         self.outputs = [None] * len(self.outputs)
         for job in self.queued.values():
@@ -219,13 +219,12 @@ class StepScheduler:
             result = await scheduler.run(fn, [shard0, shard1])
 
     Args:
-        devices: Where to run: anything :func:`resolve_devices` accepts. Checked here, before
+        devices: Where to run: anything `resolve_devices` accepts. Checked here, before
             any thread starts.
-        step_timeout: Seconds a device may take for one job before :meth:`run` raises
-            :class:`WorkerTimeoutError`, counted from when the job is queued (so it includes
-            the work an earlier job left for after it, :func:`after_job`, and on a GPU the
-            kernels an earlier job left running on the stream); ``None`` waits as long as it
-            takes.
+        step_timeout: Seconds a device may take for one job before `run` raises
+            `WorkerTimeoutError`, counted from when the job is queued (so it includes
+            work an earlier job deferred to after it and, on a GPU, the kernels an earlier
+            job left running on the stream); ``None`` waits as long as it takes.
         drain_timeout: After a failure or a cancellation, how many seconds to wait for the
             other devices' jobs that are already running, before raising anyway (they finish
             on their own; that device's next job waits for them). ``None`` waits for them.
@@ -347,7 +346,7 @@ class StepScheduler:
         self, *, step: int | None = None, epoch: int | None = None, phase: str | None = "train"
     ) -> None:
         """Wait for the GPU work that jobs left running on their workers' streams
-        (:func:`~asyncddp._worker.leave_stream_running`), where every worker's last job did
+        (`leave_stream_running`), where every worker's last job did
         and none has started since; otherwise nothing. Closing waits for a job at most
         ``drain_timeout``; this waits as a job does: up to ``step_timeout``, and cancellable
         (closing then bounds what is left).
@@ -411,11 +410,12 @@ class StepScheduler:
 
         The event loop thread only queues the jobs and awaits them; each worker runs its job
         in the caller's grad mode, autocast state and context variables, and on a GPU on its
-        own stream, waiting for the stream before the job counts as done (unless the job calls
-        :func:`~asyncddp._worker.leave_stream_running`: then its worker's next job waits).
+        own stream, waiting for the stream before the job counts as done (unless the job left
+        its kernels running, as the trainer's last step on a lone GPU does: then its worker's
+        next job waits for them).
 
         Args:
-            fn: The job. Gets a :class:`WorkerContext` and that device's shard.
+            fn: The job. Gets a `WorkerContext` and that device's shard.
             shards: One shard per device, in device order.
             items: Items in each shard, for progress; by default counted with the size of the
                 shard's first tensor along dim 0.

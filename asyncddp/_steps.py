@@ -10,11 +10,11 @@ A step is a *window* of one or more batches (``accumulate_grad_batches``):
    end).
 
 The window's last micro-step runs the three phases in one job a device (``train_and_step``),
-the devices' jobs meeting between them (:class:`Meeting`): one hand-off a step
+the devices' jobs meeting between them (`Meeting`): one hand-off a step
 instead of three (measured: 6.80 to 6.27 ms a step, 2 CPU workers on the benchmarks' MLP,
 ``python bench/ab.py HEAD --contender asyncddp-2`` on the change before it was committed). Not
 with loss scaling, whose finite check decides on the event loop whether to step, nor with
-several devices and a ``step_timeout`` (see :meth:`Steps._fusable`).
+several devices and a ``step_timeout`` (see `Steps._fusable`).
 
 A failure anywhere makes the window *abandoned* on every device (``abandon`` jobs): an optimizer
 step already taken is undone from its backup, the buffers go back to what the window found, the
@@ -103,7 +103,7 @@ def error_in_optimizer(error: BaseException) -> bool:
 
 
 class Steps:
-    """The step machinery of :class:`Trainer` (a mixin: the trainer owns the state)."""
+    """The step machinery of `Trainer` (a mixin: the trainer owns the state)."""
 
     devices: tuple[Device, ...]
     accumulate_grad_batches: int

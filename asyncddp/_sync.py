@@ -11,7 +11,7 @@ backup copied ahead, one device went from +26.5% to +14.7% of a plain loop on th
 MLP: ``python bench/ab.py 4953c32``, in docs/benchmarks.md).
 
 The in-process all-reduce runs on the devices' own workers, every device at once, in one pass
-(:func:`all_reduce_chunk`): worker ``i`` sums chunk ``i`` of every replica's buffer, scales it
+(`all_reduce_chunk`): worker ``i`` sums chunk ``i`` of every replica's buffer, scales it
 (item weighting, loss-scale undo), writes the sum into chunk ``i`` of every replica, and
 reports its squared norm and whether it is finite. With 2 replicas each chunk is read once from
 each and written once into each: the bytes of 2 copies, the least an all-reduce of 2 buffers in
@@ -23,8 +23,8 @@ needs no locks. (A first in-place version, in which each owner summed into its o
 peers read it from there before stepping, raced with exactly that in-place write.)
 
 Across processes a reduced chunk is exchanged with the other ranks before the replicas take it,
-and so the two steps are apart there: :func:`reduce_scatter` sums each chunk into a scratch
-buffer of its owner, the ranks all-reduce the scratch buffers, and :func:`all_gather` copies
+and so the two steps are apart there: `reduce_scatter` sums each chunk into a scratch
+buffer of its owner, the ranks all-reduce the scratch buffers, and `all_gather` copies
 every scratch chunk into each replica's buffer (peers read scratch buffers, never a live
 ``.grad``).
 """
@@ -68,7 +68,7 @@ def clip_coefficient(norm: float, clip: float) -> float:
 def bucket_layout(params: Sequence[nn.Parameter], parts: int) -> list[tuple[int, torch.dtype]]:
     """The sizes and dtypes of the tensors a process all-reduces across ranks each step:
     every replica's reduced chunk of each flat buffer (with ``parts`` replicas), or the whole
-    buffers of a single replica, in the order :class:`FlatGrads` builds them."""
+    buffers of a single replica, in the order `FlatGrads` builds them."""
     sizes: dict[torch.dtype, int] = {}
     for param in params:
         sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
@@ -90,7 +90,7 @@ class FlatGrads:
         parts: How many replicas reduce together (the number of chunks per buffer).
         index: This replica's position, which chunk it owns.
         loose: A lone replica that nothing reads from (``parts`` must be 1): no buffers, each
-            ``.grad`` a tensor of its own, ``None`` after :meth:`zero_`, as in a plain loop.
+            ``.grad`` a tensor of its own, ``None`` after `zero_`, as in a plain loop.
     """
 
     def __init__(
@@ -200,7 +200,7 @@ def all_reduce_chunk(
     The sum is made in this worker's own replica's chunk (its own value first, then the
     others' in replica order) and copied into the others'. Every worker must be done before
     any replica steps (see the module's notes). Returns the reduced chunk's squared norm and
-    whether it is finite (see :func:`_checks`); the checks cover all of it, as each chunk has
+    whether it is finite (see `_checks`); the checks cover all of it, as each chunk has
     one owner.
     """
     own = replicas[index]
@@ -239,14 +239,14 @@ def reduce_scatter(
     want_finite: bool = False,
 ) -> tuple[float, bool]:
     """Across processes, step 1 on worker ``index``: sum chunk ``index`` of every replica into
-    a scratch buffer of this replica's (see :meth:`FlatGrads.own_scratch`), for the ranks to
-    exchange and the replicas to take in :func:`all_gather`.
+    a scratch buffer of this replica's (see `FlatGrads.own_scratch`), for the ranks to
+    exchange and the replicas to take in `all_gather`.
 
     The sum goes to a scratch buffer that peers read in the all-gather, while each owner may
     already be stepping its optimizer: optimizers may write ``.grad`` in place (SGD with
     Nesterov momentum does, with ``foreach``), so peers must never read another replica's live
     ``.grad`` in that step. A single replica scales its own gradients in place. Returns what
-    :func:`_checks` does for the reduced chunk.
+    `_checks` does for the reduced chunk.
     """
     own = replicas[index]
     if len(replicas) == 1:
@@ -303,7 +303,7 @@ def squared_norm(tensors: Sequence[torch.Tensor]) -> float:
 
 def all_gather(replicas: Sequence[FlatGrads], index: int, coefficient: float) -> None:
     """Across processes, step 2 on worker ``index``: fill its buffers from every owner's
-    scratch (exchanged with the other ranks since :func:`reduce_scatter`), scaled."""
+    scratch (exchanged with the other ranks since `reduce_scatter`), scaled."""
     own = replicas[index]
     if len(replicas) == 1:
         scale_grads(own, coefficient)
@@ -402,7 +402,7 @@ def _copy_tensors(
     fit (so that after the first step a copy allocates nothing). With ``track``, keep each
     source and its version counter as it was before the copy (a copy made ahead); otherwise
     keep no reference to them (a replaced optimizer state must be let go). With ``part``
-    (index, parts), copy only that part of the tensors' elements (:func:`_copy_part`): the
+    (index, parts), copy only that part of the tensors' elements (`_copy_part`): the
     buffers are whole, the rest of them stale."""
     sources = [(p, p._version) for p in params] if track else []
     targets: list[torch.Tensor] = []
@@ -442,7 +442,7 @@ def _copy_tensors(
 
 
 def _saved_tensors(copy: _Copy) -> list[torch.Tensor]:
-    """A copy's tensors in the order :func:`_copy_tensors` copied them."""
+    """A copy's tensors in the order `_copy_tensors` copied them."""
     tensors = list(copy.params)
     for state in copy.state:
         if state is not None:
@@ -464,14 +464,14 @@ class StepBackup:
 
     Buffers are kept between steps, so after the first step a backup allocates nothing.
 
-    :meth:`prepare` copies the tensors ahead, once the previous step has reported (for one
+    `prepare` copies the tensors ahead, once the previous step has reported (for one
     CPU device in one process, where the copy takes the worker's own time, while the event
-    loop handles that step's results); :meth:`capture` then keeps that copy if every tensor
+    loop handles that step's results); `capture` then keeps that copy if every tensor
     is still the one it was copied from, unchanged (by its version counter), and copies afresh
     otherwise. A copy made ahead goes into buffers of its own, as the last capture may still
     have to be restored (a cancellation that comes as the step ends undoes it): with it, a
     backup holds two copies. Changes made through ``.data`` leave no version behind; a copy
-    made ahead is dropped when a fit, validate or checkpoint call starts (:meth:`forget_ahead`).
+    made ahead is dropped when a fit, validate or checkpoint call starts (`forget_ahead`).
     """
 
     def __init__(self) -> None:
@@ -480,7 +480,7 @@ class StepBackup:
         self._spare: _Copy | None = None  # buffers for the next prepare()
 
     def prepare(self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
-        """Copy the tensors now, for the next :meth:`capture`. Never raises: without the copy,
+        """Copy the tensors now, for the next `capture`. Never raises: without the copy,
         the capture copies."""
         reuse, self._ahead, self._spare = self._ahead or self._spare, None, None
         try:
@@ -535,7 +535,7 @@ class StepBackup:
     def _restore_parts(peers: Sequence[StepBackup], targets: list[torch.Tensor]) -> None:
         """Fill ``targets`` from a backup in parts: each part from the peer that copied it.
         A target laid out otherwise than contiguously is filled through a contiguous buffer
-        (parts are slices in row-major order, see :func:`_copy_part`)."""
+        (parts are slices in row-major order, see `_copy_part`)."""
         flat = [
             t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
             for t in targets

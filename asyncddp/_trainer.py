@@ -136,8 +136,8 @@ class Trainer(Resumable):
             batch's items; or a dict with ``"loss"`` and further metrics (scalar means), and
             optionally ``"items"``: how many items the loss is the mean over when they are not
             the batch's entries (valid tokens, say); the devices are then weighted by it.
-        devices: Anything :func:`resolve_devices` accepts; ``"auto"`` is every GPU, or the CPU.
-            All of one kind: GPUs and the CPU mixed are a :class:`DeviceError`.
+        devices: Anything `resolve_devices` accepts; ``"auto"`` is every GPU, or the CPU.
+            All of one kind: GPUs and the CPU mixed are a `DeviceError`.
         valid_step: The step for validation, run under ``torch.no_grad()``; by default ``step``.
         lr_scheduler: A factory ``optimizer -> LRScheduler``, called once per replica.
         lr_scheduler_interval: Step the LR scheduler every ``"epoch"`` or every ``"step"``.
@@ -148,7 +148,7 @@ class Trainer(Resumable):
             dynamic loss scaling); also Lightning's ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``.
         split_batches: ``True`` splits every batch along dim 0 across the devices; ``False``
             gives each device whole batches of its own (``len(devices)`` batches per step).
-        step_timeout: Seconds a device may take for one job; see :class:`StepScheduler`.
+        step_timeout: Seconds a device may take for one job; see `StepScheduler`.
             Across processes, waiting for the other ranks in an exchange does not count. On
             one CPU device with ``atomic_steps``, a step's time includes the backup copied
             ahead of it.
@@ -174,7 +174,7 @@ class Trainer(Resumable):
             with nothing to page-lock, read in place, needs none).
         threads_per_worker: Intra-op threads for each CPU worker; by default the process's
             ``torch.get_num_threads()`` shared out among the CPU workers.
-        check_finite: Raise :class:`NonFiniteLossError`, naming the device and step, when a
+        check_finite: Raise `NonFiniteLossError`, naming the device and step, when a
             device's loss is NaN or infinite, before the optimizer step. On the CPU this costs
             nothing. On a lone GPU the loss, read behind the forward, is checked once the
             backward is queued; on several GPUs it is read before the backward's kernels are
@@ -443,10 +443,10 @@ class Trainer(Resumable):
             (an optimizer step in progress completes on every device, or is undone on every
             device), the workers are joined and ``CancelledError`` propagates. The replicas
             stay identical; ``fit`` can be called again and continues from the last completed
-            optimizer step. Across processes (:mod:`asyncddp.distributed`) an exchange with
+            optimizer step. Across processes (`asyncddp.distributed`) an exchange with
             the other ranks in progress is finished first; a step it completed was taken on
             every rank, so it is kept and counted here too. The other ranks raise
-            :class:`WorkerFailedError` naming this one at their next exchange. A ``next()``
+            `WorkerFailedError` naming this one at their next exchange. A ``next()``
             in progress on the loader thread is not waited for: it finishes in the background,
             and the next call over the same data waits for it before reading that data.
         """
@@ -595,7 +595,7 @@ class Trainer(Resumable):
     def state_dict(self) -> dict[str, Any]:
         """The training state: model, optimizer, LR scheduler, loss scale, position, RNG.
 
-        Call it while no fit runs (use :meth:`save_checkpoint` during one).
+        Call it while no fit runs (use `save_checkpoint` during one).
         """
         first = self._replicas[0] if self._replicas else None
         if first is None and self._pending_state is not None:
@@ -613,7 +613,7 @@ class Trainer(Resumable):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load a state from :meth:`state_dict` or a checkpoint, into every replica.
+        """Load a state from `state_dict` or a checkpoint, into every replica.
 
         Call it while no fit, validation or checkpoint runs.
 

@@ -1,16 +1,16 @@
 """One persistent worker thread per device.
 
-A :class:`DeviceWorker` owns a named thread (``asyncddp-worker[cuda:1]``) that runs the jobs put
+A `DeviceWorker` owns a named thread (``asyncddp-worker[cuda:1]``) that runs the jobs put
 on its queue, one at a time, in order. On a CUDA device the thread makes its device current and
 runs every job on a stream of its own, so two workers never serialise on the default stream;
 a job counts as finished only once its stream work has finished (the worker waits for that in
 its own thread, never on the event loop, and so an asynchronous CUDA error is charged to the
 device that caused it). One kind of job may end before its kernels do
-(:func:`leave_stream_running`): the trainer's step on a lone GPU, so that the GPU works through
+(`leave_stream_running`): the trainer's step on a lone GPU, so that the GPU works through
 the step's tail while the event loop takes the step's results.
 
 The caller's grad mode, autocast state and context variables are captured on the event loop
-(:class:`CallerState`) and re-entered around each job, as ``torch.nn.parallel.parallel_apply``
+(`CallerState`) and re-entered around each job, as ``torch.nn.parallel.parallel_apply``
 does: all three are thread-local, and a worker thread would otherwise run with its own defaults.
 """
 
@@ -70,7 +70,7 @@ _running = threading.local()
 
 
 def current_worker() -> WorkerContext | None:
-    """The :class:`WorkerContext` of the job running in this thread, or ``None`` outside one.
+    """The `WorkerContext` of the job running in this thread, or ``None`` outside one.
 
     A trainer's step function gets only ``(model, batch)``; this tells it which device and
     step it runs for (``asyncddp.testing`` uses it to inject faults on one device).
@@ -127,7 +127,7 @@ class CallerState(NamedTuple):
 
 
 def _cpu_worker_slice() -> float | None:
-    """The scheduler slice a CPU worker asks for, in ms (see :mod:`._sched`); ``None``: none.
+    """The scheduler slice a CPU worker asks for, in ms (see `._sched`); ``None``: none.
 
     The one ``ASYNCDDP_WORKER_SLICE_MS`` chooses; else a long one, so that the event loop's
     thread preempts the worker as it wakes, but not in a process group. There each step the
@@ -149,7 +149,7 @@ class DeviceWorker:
 
     A job is a callable taking no arguments; it reports its own result (see ``_scheduler``)
     and may return a callable to run once the job is dropped: the place to wake whoever waits
-    for the result. Then the worker does what the job left for after it (:func:`after_job`),
+    for the result. Then the worker does what the job left for after it (`after_job`),
     and waits for its next job. The worker only runs jobs and keeps going, whatever they raise.
 
     Args:

@@ -1,6 +1,6 @@
 """Training across processes and machines on ``torch.distributed``, launched with ``torchrun``.
 
-Call :func:`init` once per process, then use the same :class:`~asyncddp.Trainer` as on one
+Call `init` once per process, then use the same `Trainer` as on one
 machine: it sees the process group and trains across every device of every rank::
 
     # torchrun --nproc-per-node 2 train.py
@@ -21,7 +21,7 @@ What the trainer does across ranks:
   per bucket of at most 25 MB, weighted by items over every device of every rank: the step is
   the one a single device would take on all the ranks' batches together.
 - **Failures.** A rank that raises tells the others in the next exchange; every rank raises
-  :class:`~asyncddp.WorkerFailedError` naming the failed rank and device, within a collective's
+  `WorkerFailedError` naming the failed rank and device, within a collective's
   latency. A rank that dies breaks the collective; the others name it within seconds.
 - **stop() and checkpoints.** ``stop()`` on any rank stops every rank after the same step. Rank
   0 writes the checkpoints; ``resume=`` reads them on rank 0 and sends the state to every rank.
@@ -155,7 +155,7 @@ def _gpu_id(index: int) -> str:
 
 
 def _refuse_shared_gpus(store: Any, rank: int, size: int, gpu: str, *, prefix: str) -> None:
-    """Raise :class:`ConfigurationError` on every rank if two ranks have the same GPU.
+    """Raise `ConfigurationError` on every rank if two ranks have the same GPU.
 
     NCCL refuses them only at the first collective ("Duplicate GPU detected"), which the
     other ranks would meet as a rank lost. This is checked through the process group's store,

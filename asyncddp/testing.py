@@ -1,13 +1,13 @@
 """Helpers for testing code that uses asyncddp, on any machine, without a GPU.
 
-- :func:`cpu_devices` gives several workers that compute on the CPU, so the real multi-device
+- `cpu_devices` gives several workers that compute on the CPU, so the real multi-device
   code paths run in CI.
-- :func:`fail_on` and :func:`hang_on` wrap a :class:`StepScheduler` job so that it raises, or
+- `fail_on` and `hang_on` wrap a `StepScheduler` job so that it raises, or
   blocks until released, on a chosen device (and step).
-- :func:`failing_step`, :func:`hanging_step` and :func:`failing_optimizer` do the same to a
-  :class:`Trainer`'s step function or optimizer: a fault in the forward pass, the backward pass,
+- `failing_step`, `hanging_step` and `failing_optimizer` do the same to a
+  `Trainer`'s step function or optimizer: a fault in the forward pass, the backward pass,
   a metric, or the optimizer step, on one device, at one step.
-- :func:`asyncddp_threads` lists the worker threads still alive, for a leak check.
+- `asyncddp_threads` lists the worker threads still alive, for a leak check.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ T = TypeVar("T")
 
 
 class InjectedFailure(RuntimeError):
-    """The error :func:`fail_on` raises unless told otherwise.
+    """The error `fail_on` raises unless told otherwise.
 
     Attributes:
         device_index: The index of the device it was raised on.
@@ -70,7 +70,7 @@ def fail_on(
         job: The job to wrap.
         device: The index of the device whose job fails.
         step: The step at which it fails; ``None`` fails at every step.
-        error: What to raise; by default an :class:`InjectedFailure`.
+        error: What to raise; by default an `InjectedFailure`.
     """
 
     def failing(ctx: WorkerContext, shard: S) -> T:
@@ -153,7 +153,7 @@ def failing_step(
         at: The optimizer step at which it fails; ``None`` fails at every step.
         where: ``"forward"`` raises before returning; ``"backward"`` returns a loss whose
             backward pass raises; ``"metric"`` raises while computing a metric, after the loss.
-        error: What to raise; by default an :class:`InjectedFailure`.
+        error: What to raise; by default an `InjectedFailure`.
     """
 
     def failing(model: Any, batch: Any) -> Any:
