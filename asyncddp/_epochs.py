@@ -42,7 +42,18 @@ _log = logging.getLogger("asyncddp")
 
 @dataclass(frozen=True)
 class EpochRecord:
-    """One epoch of training: means over every item it saw."""
+    """One epoch of training: means over every item it saw.
+
+    Attributes:
+        epoch: The epoch's number, from 0 (as ``range`` numbers; the progress bar and the
+            demo count from 1).
+        train_loss: The training loss, the mean over every item of the epoch.
+        train_metrics: The step's other metrics, each the mean over every item.
+        valid_metrics: Validation's loss and metrics, exact means over every validation item;
+            ``None`` without ``valid_data``.
+        items: Training items in the epoch.
+        seconds: The time the epoch trained (its validation not counted).
+    """
 
     epoch: int
     train_loss: float

@@ -181,6 +181,12 @@ class Trainer(Resumable):
             launched, and the GPU waits for those launches (measured on an H200: see
             docs/benchmarks.md, GPU). An ``"items"`` count given as a GPU tensor is read
             before the backward too.
+
+    Attributes:
+        devices: The devices it trains on, as `resolve_devices` read them.
+        epoch: Epochs completed, over every ``fit`` (and resumed from a checkpoint).
+        global_step: Optimizer steps taken, over every ``fit``.
+        history: An `EpochRecord` per completed epoch, over every ``fit``.
     """
 
     def __init__(
