@@ -1022,29 +1022,27 @@ async def test_resuming_from_a_checkpoint_ends_like_an_uninterrupted_run(tmp_pat
     assert_close(resumed.model, uninterrupted.model)
 
 
-async def test_resume_latest_from_the_checkpoint_dir(tmp_path: Any) -> None:
-    batches = make_batches([4, 4])
-    trainer = Trainer(
-        make_model(),
+def checkpointing_trainer(folder: Any, seed: int = 0) -> Trainer:
+    """Two CPU devices, writing a checkpoint to ``folder`` after every epoch."""
+    return Trainer(
+        make_model(seed),
         SGD,
         loss_step,
         devices=cpu_devices(2),
-        checkpoint_dir=tmp_path,
+        checkpoint_dir=folder,
         progress_bar=False,
     )
+
+
+async def test_resume_latest_from_the_checkpoint_dir(tmp_path: Any) -> None:
+    batches = make_batches([4, 4])
+    trainer = checkpointing_trainer(tmp_path)
     await trainer.fit(batches, epochs=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "epoch0001-step000002.ckpt",
         "epoch0002-step000004.ckpt",
     ]
-    again = Trainer(
-        make_model(seed=5),
-        SGD,
-        loss_step,
-        devices=cpu_devices(2),
-        checkpoint_dir=tmp_path,
-        progress_bar=False,
-    )
+    again = checkpointing_trainer(tmp_path, seed=5)
     result = await again.fit(batches, epochs=3, resume="latest")
     assert [r.epoch for r in result.history] == [2]
     assert [r.epoch for r in again.history] == [0, 1, 2]
@@ -1058,26 +1056,12 @@ async def test_resume_latest_with_no_checkpoint_yet_warns_and_starts_from_scratc
     # Lightning's ckpt_path="last"; it raised a ConfigurationError before any checkpoint was
     # written, so the script could never make its first one.
     batches = make_batches([4, 4])
-    trainer = Trainer(
-        make_model(),
-        SGD,
-        loss_step,
-        devices=cpu_devices(2),
-        checkpoint_dir=tmp_path / "checkpoints",
-        progress_bar=False,
-    )
+    trainer = checkpointing_trainer(tmp_path / "checkpoints")
     with pytest.warns(UserWarning, match="no checkpoint in .*checkpoints.*from scratch"):
         result = await trainer.fit(batches, epochs=2, resume="latest")
     assert result.epoch == 2
     assert_close(trainer.model, reference(batches, 2, SGD))
-    again = Trainer(
-        make_model(seed=5),
-        SGD,
-        loss_step,
-        devices=cpu_devices(2),
-        checkpoint_dir=tmp_path / "checkpoints",
-        progress_bar=False,
-    )
+    again = checkpointing_trainer(tmp_path / "checkpoints", seed=5)
     result = await again.fit(batches, epochs=3, resume="latest")  # the second run resumes
     assert [r.epoch for r in result.history] == [2]
     assert_close(again.model, reference(batches, 3, SGD))
