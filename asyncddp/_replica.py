@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
@@ -28,6 +29,7 @@ __all__ = [
     "has_sparse_gradients",
     "loss_and_metrics",
     "mirror",
+    "move_to",
 ]
 
 #: ``step(model, batch)`` returns the loss, or a mapping with ``"loss"``, optionally ``"items"``
@@ -191,6 +193,16 @@ def mirror(replica: Replica, first: Replica) -> None:
         if type(source).get_extra_state is not nn.Module.get_extra_state:
             module.set_extra_state(copy.deepcopy(source.get_extra_state()))
     replica.buffers = list(replica.model.buffers())
+
+
+def move_to(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model``, moved to ``device`` in place (``Module.to``) unless every parameter and
+    buffer is there already: a module that lives there is left untouched (some refuse
+    ``.to`` altogether, as 8-bit quantized models do)."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    if all(tensor.device == device for tensor in tensors):
+        return model
+    return model.to(device)
 
 
 def has_sparse_gradients(model: nn.Module) -> bool:

@@ -51,7 +51,7 @@ from ._jobs import (
     check_counts,
 )
 from ._precision import LossScaler
-from ._replica import Replica, check_rebuilt
+from ._replica import Replica, check_rebuilt, move_to
 from ._scheduler import StepScheduler
 from ._sync import clip_coefficient
 from ._worker import WorkerContext
@@ -144,10 +144,21 @@ class Steps:
 
     async def _mirror_first(self) -> None:
         """Carry what was changed on ``trainer.model`` (the first replica) since the last call
-        over to the other replicas (see ``_replica.mirror``); refuse a changed set of
-        parameters, modules or buffers (``_replica.check_rebuilt``). Before each fit and
-        validation."""
-        check_rebuilt(self._replicas[0])
+        over to the other replicas (see ``_replica.mirror``), after moving it back to its
+        device if it was moved off (``model.cpu()`` to save it, say; Lightning's fit moves it
+        back too); refuse a changed set of parameters, modules or buffers
+        (``_replica.check_rebuilt``). Before each fit and validation."""
+        first = self._replicas[0]
+        device = first.device.torch_device
+        tensors = (*first.model.parameters(), *first.model.buffers())
+        if any(t.device != device for t in tensors):  # model.cpu() between calls, say
+
+            def move_back(ctx: Any, _: None) -> None:
+                if ctx.device.index == 0:
+                    move_to(first.model, device)
+
+            await self._run_all(move_back, phase="setup")
+        check_rebuilt(first)
         if len(self._replicas) > 1:
             await self._run_all(self._jobs().mirror, phase="setup")
 

@@ -79,6 +79,7 @@ from ._replica import (
     StepFunction,
     build_replica,
     has_sparse_gradients,
+    move_to,
 )
 from ._resume import Resumable
 from ._scheduler import StepScheduler
@@ -126,10 +127,11 @@ class Trainer(Resumable):
         result = await trainer.fit(train_loader, epochs=5, valid_data=valid_loader)
 
     Args:
-        model: The module to train. The first ``fit`` (or ``validate``) moves it to the
-            first device in place, as ``model.to(device)`` does, and trains it there; the
-            other devices train copies. So ``model`` is ``trainer.model``, the trained model,
-            on a GPU as on the CPU.
+        model: The module to train. The first call that needs the devices (``fit``,
+            ``validate``, ``save_checkpoint``) moves it to the first device in place, as
+            ``model.to(device)`` does, and trains it there; the other devices train copies.
+            So ``model`` is ``trainer.model``, the trained model, on a GPU as on the CPU
+            (until ``on_failure="drop"`` drops the first device).
         optimizer: A factory ``params -> Optimizer``, called once per replica, for example
             ``functools.partial(torch.optim.AdamW, lr=1e-3)``.
         step: ``step(model, batch) -> loss``, the loss a scalar tensor, the mean over the
@@ -421,8 +423,7 @@ class Trainer(Resumable):
             epochs: Epochs to have completed when ``fit`` returns.
             valid_data: Batches to validate on after every epoch.
             resume: A checkpoint to continue from, or ``"latest"`` for the newest one in
-                ``checkpoint_dir`` (none there yet: a warning, and training starts from
-                scratch).
+                ``checkpoint_dir`` (none there yet: a warning, and nothing is resumed).
 
         Returns:
             The epochs completed by this call, and whether ``stop()`` ended it.
@@ -436,13 +437,13 @@ class Trainer(Resumable):
                 is to run, or a map-style ``Dataset`` (pass a ``DataLoader`` over it).
             CheckpointError: ``resume`` names a checkpoint that cannot be read.
             ConfigurationError: ``epochs < 1``, or ``resume="latest"`` without a
-                ``checkpoint_dir``, or the optimizer or LR scheduler factory raised (its error
-                is the cause).
+                ``checkpoint_dir`` (or with a file there), or the optimizer or LR scheduler
+                factory raised (its error is the cause).
 
         Warns:
             UserWarning: ``epochs`` are complete already, so the call trains nothing; or
-                ``resume="latest"`` found no checkpoint in ``checkpoint_dir`` yet, so training
-                starts from scratch (a resumable script's first run).
+                ``resume="latest"`` found no checkpoint in ``checkpoint_dir`` yet, so nothing
+                is resumed (a resumable script's first run starts from scratch).
 
         Cancellation handling:
             Cancelling the task that awaits ``fit`` stops at once: the running jobs finish
@@ -472,12 +473,21 @@ class Trainer(Resumable):
             await self._wait_for_checkpoint_session()
             if state is not None:
                 self._adopt(state)
+            elif resume is not None:  # "latest", and no checkpoint yet (on rank 0)
+                warnings.warn(
+                    f"resume='latest': no checkpoint in {str(self.checkpoint_dir)!r} yet, so "
+                    "nothing is resumed: training goes on from this trainer's own state (the "
+                    "start, for a new trainer)",
+                    UserWarning,
+                    stacklevel=2,
+                )
             if self.epoch >= epochs:
                 done = f"{self.epoch} epoch{'' if self.epoch == 1 else 's'}"
                 warnings.warn(
                     f"fit(epochs={epochs}) trains nothing: the trainer has completed {done} "
                     "already, and epochs counts from the start of training (as Lightning's "
-                    f"max_epochs); pass epochs={self.epoch + epochs} to train {epochs} more",
+                    f"max_epochs); epochs={self.epoch + epochs} trains until "
+                    f"{self.epoch + epochs} are complete",
                     UserWarning,
                     stacklevel=2,
                 )
@@ -751,21 +761,19 @@ class Trainer(Resumable):
         # the trained one on a GPU as on the CPU. The other devices train copies of it, each
         # made on its own worker before the module moves (the first job), never from a module
         # half moved.
-        def copy_source(ctx: Any, index: int) -> nn.Module | None:
-            if index == 0:
+        def copy_source(ctx: Any, _: None) -> nn.Module | None:
+            if ctx.device.index == 0:
                 return None
-            return copy.deepcopy(source).to(self.devices[index].torch_device)
+            return copy.deepcopy(source).to(ctx.device.torch_device)
 
-        def build(ctx: Any, placed: tuple[int, nn.Module | None]) -> Replica:
-            index, model = placed
-            device = self.devices[index]
+        def build(ctx: Any, model: nn.Module | None) -> Replica:
+            device = self.devices[ctx.device.index]
+            if model is None:
+                model = move_to(source, device.torch_device)
             replica = build_replica(
-                source.to(device.torch_device) if model is None else model,
-                device,
-                optimizer=self._optimizer_factory,
-                scheduler=self._scheduler_factory,
+                model, device, optimizer=self._optimizer_factory, scheduler=self._scheduler_factory
             )
-            replica.regroup(parts, index, loose=lone)
+            replica.regroup(parts, device.index, loose=lone)
             return replica
 
         # Building the replicas is not a step: step_timeout does not bound it. (The first
@@ -774,12 +782,10 @@ class Trainer(Resumable):
         scheduler = self._require_scheduler()
         timeout, scheduler.step_timeout = scheduler.step_timeout, None
         try:
-            copies: list[nn.Module | None] = [None] * parts
+            models: list[nn.Module | None] = [None]  # the first device's: the source
             if parts > 1:
-                copied = await self._scheduler_run(copy_source, list(range(parts)), phase="setup")
-                copies = list(copied.outputs)
-            placed = list(enumerate(copies))
-            result = await self._scheduler_run(build, placed, phase="setup")
+                models += (await self._run_all(copy_source, phase="setup")).outputs[1:]
+            result = await self._scheduler_run(build, models, phase="setup")
         except WorkerFailedError as error:
             cause = error.__cause__
             if isinstance(cause, ConfigurationError):

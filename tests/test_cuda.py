@@ -123,6 +123,13 @@ async def test_the_model_passed_in_is_moved_to_the_gpu_and_trained_there() -> No
     assert trainer.model is model
     assert all(p.device == torch.device(GPU) for p in model.parameters())
     assert_close(on_cpu(model), expected, 1e-5)
+    # Saved as a plain loop saves it, moved to the CPU: the next fit moves it back, as
+    # Lightning's does, and trains on from where it was.
+    saved = model.cpu().state_dict()
+    await trainer.fit(batches, epochs=2)
+    assert all(p.device == torch.device(GPU) for p in model.parameters())
+    assert_close(on_cpu(model), plain_loop(batches, 2, GPU), 1e-5)
+    assert saved.keys() == model.state_dict().keys()
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -77,8 +77,10 @@ async def scenario(url: str) -> dict[str, object]:
             async with httpx.AsyncClient(base_url=url, timeout=5) as probe:
                 # Untimed: a client's first request imports httpx's async transport and
                 # connects (50-60 ms here), which is this process's time, not the server's.
-                await probe.get("/health")
-                probing.set()
+                try:
+                    await probe.get("/health")
+                finally:  # if it raised, `await watcher` below says so
+                    probing.set()
                 while not done.is_set():
                     start = time.perf_counter()
                     response = await probe.get("/health")

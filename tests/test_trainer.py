@@ -208,7 +208,7 @@ async def test_the_model_passed_in_is_the_trained_model_when_it_lives_on_the_fir
 
 
 class Recording(nn.Sequential):
-    """A model that notes when it is copied and when the original is moved (``Module.to``)."""
+    """A model that notes when it is copied."""
 
     log: ClassVar[list[str]] = []
 
@@ -218,24 +218,54 @@ class Recording(nn.Sequential):
         copied.__dict__["copy_of"] = self  # not a submodule: the original is no part of it
         return copied
 
-    def _apply(self, fn: Any, recurse: bool = True) -> Recording:
-        if not hasattr(self, "copy_of"):
-            Recording.log.append("moved")
-        return super()._apply(fn, recurse)
 
-
-async def test_the_model_passed_in_moves_to_the_first_device_after_the_others_copied_it() -> None:
+async def test_the_model_passed_in_moves_to_the_first_device_after_the_others_copied_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Every device but the first trains a copy; the first trains the module passed in, moved
     # there in place (on a GPU it stayed where it was, untrained, and trainer.model was a
     # copy). The copies are made before it moves, never from a module half moved.
+    move_to = asyncddp._trainer.move_to
+
+    def recording_move_to(model: nn.Module, device: torch.device) -> nn.Module:
+        Recording.log.append(f"moved to {device}")
+        return move_to(model, device)
+
+    monkeypatch.setattr(asyncddp._trainer, "move_to", recording_move_to)
     torch.manual_seed(0)
     model = Recording(nn.Linear(FEATURES, 4), nn.ReLU(), nn.Linear(4, 3))
     Recording.log.clear()
     trainer = Trainer(model, SGD, loss_step, devices=cpu_devices(3), progress_bar=False)
     await trainer.fit(make_batches([4, 4]), epochs=1)
     assert trainer.model is model
-    assert Recording.log == ["copied", "copied", "moved"]
+    assert Recording.log == ["copied", "copied", "moved to cpu"]
     assert all(replica.model.copy_of is model for replica in trainer._replicas[1:])
+
+
+class RefusesTo(nn.Sequential):
+    """A model that refuses ``.to`` (as 8-bit quantized models do)."""
+
+    def to(self, *args: Any, **kwargs: Any) -> RefusesTo:
+        raise ValueError(".to is not supported for this model")
+
+
+async def test_a_model_on_the_first_device_already_is_not_moved() -> None:
+    # It was moved whether or not it was there, and a model that refuses .to failed to start.
+    torch.manual_seed(0)
+    model = RefusesTo(nn.Linear(FEATURES, 4), nn.ReLU(), nn.Linear(4, 3))
+    trainer = Trainer(model, SGD, loss_step, devices="cpu", progress_bar=False)
+    result = await trainer.fit(make_batches([4, 4]), epochs=1)
+    assert result.global_step == 2
+    assert trainer.model is model
+
+
+async def test_a_checkpoint_dir_that_is_a_file_is_refused_before_any_step(tmp_path: Any) -> None:
+    # resume="latest" found no checkpoint in it, trained an epoch, then failed to write one.
+    (tmp_path / "run.ckpt").write_bytes(b"")
+    trainer = checkpointing_trainer(tmp_path / "run.ckpt")
+    with pytest.raises(ConfigurationError, match="is a file, not a folder"):
+        await trainer.fit(make_batches([4, 4]), epochs=1, resume="latest")
+    assert trainer.global_step == 0
 
 
 @pytest.mark.parametrize("devices", [1, 2])
@@ -1057,7 +1087,7 @@ async def test_resume_latest_with_no_checkpoint_yet_warns_and_starts_from_scratc
     # written, so the script could never make its first one.
     batches = make_batches([4, 4])
     trainer = checkpointing_trainer(tmp_path / "checkpoints")
-    with pytest.warns(UserWarning, match="no checkpoint in .*checkpoints.*from scratch"):
+    with pytest.warns(UserWarning, match="no checkpoint in .*checkpoints.* yet, so nothing"):
         result = await trainer.fit(batches, epochs=2, resume="latest")
     assert result.epoch == 2
     assert_close(trainer.model, reference(batches, 2, SGD))
@@ -1075,7 +1105,7 @@ async def test_fit_to_epochs_already_complete_warns_and_trains_nothing() -> None
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
     await trainer.fit(batches, epochs=2)
     before = [p.detach().clone() for p in trainer.model.parameters()]
-    with pytest.warns(UserWarning, match=r"epochs=2.*2 epochs.*epochs=4 to train 2 more"):
+    with pytest.warns(UserWarning, match=r"epochs=2.*2 epochs.*epochs=4 trains until 4"):
         result = await trainer.fit(batches, epochs=2)
     assert result.history == ()
     assert (result.epoch, trainer.global_step) == (2, 4)
