@@ -27,6 +27,7 @@ __all__ = [
     "build_replica",
     "check_rebuilt",
     "has_sparse_gradients",
+    "lives_on",
     "loss_and_metrics",
     "mirror",
     "move_to",
@@ -195,14 +196,17 @@ def mirror(replica: Replica, first: Replica) -> None:
     replica.buffers = list(replica.model.buffers())
 
 
-def move_to(model: nn.Module, device: torch.device) -> nn.Module:
-    """``model``, moved to ``device`` in place (``Module.to``) unless every parameter and
-    buffer is there already: a module that lives there is left untouched (some refuse
-    ``.to`` altogether, as 8-bit quantized models do)."""
+def lives_on(model: nn.Module, device: torch.device) -> bool:
+    """Whether every parameter and buffer of ``model`` is on ``device``."""
     tensors = itertools.chain(model.parameters(), model.buffers())
-    if all(tensor.device == device for tensor in tensors):
-        return model
-    return model.to(device)
+    return all(tensor.device == device for tensor in tensors)
+
+
+def move_to(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model``, moved to ``device`` in place (``Module.to``) unless it `lives_on` it: a
+    module that lives there is left untouched (some refuse ``.to`` altogether, as 8-bit
+    quantized models do)."""
+    return model if lives_on(model, device) else model.to(device)
 
 
 def has_sparse_gradients(model: nn.Module) -> bool:

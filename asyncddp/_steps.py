@@ -51,7 +51,7 @@ from ._jobs import (
     check_counts,
 )
 from ._precision import LossScaler
-from ._replica import Replica, check_rebuilt, move_to
+from ._replica import Replica, check_rebuilt, lives_on, move_to
 from ._scheduler import StepScheduler
 from ._sync import clip_coefficient
 from ._worker import WorkerContext
@@ -150,8 +150,7 @@ class Steps:
         (``_replica.check_rebuilt``). Before each fit and validation."""
         first = self._replicas[0]
         device = first.device.torch_device
-        tensors = (*first.model.parameters(), *first.model.buffers())
-        if any(t.device != device for t in tensors):  # model.cpu() between calls, say
+        if not lives_on(first.model, device):  # model.cpu() between calls, say
 
             def move_back(ctx: Any, _: None) -> None:
                 if ctx.device.index == 0:
