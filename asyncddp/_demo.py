@@ -11,6 +11,7 @@ the example to read: it is what the docs show as the main job.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from typing import Any
@@ -61,6 +62,20 @@ def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str
     }
 
 
+async def report_epochs(events: asyncddp.EventStream) -> None:
+    """Print each epoch's training loss and validation metrics as its validation ends."""
+    train_loss = float("nan")
+    async for event in events:
+        if isinstance(event, asyncddp.EpochEnded):
+            train_loss = event.train_loss
+        elif isinstance(event, asyncddp.ValidationEnded) and event.epoch is not None:
+            print(
+                f"epoch {event.epoch + 1:2d}: train loss {train_loss:.4f}, "
+                f"valid loss {event.metrics['loss']:.4f}, "
+                f"valid accuracy {event.metrics['accuracy']:.2%}"
+            )
+
+
 async def main(
     devices: asyncddp.DeviceSpec,
     epochs: int = 10,
@@ -81,16 +96,15 @@ async def main(
     names = ", ".join(device.name for device in trainer.devices)
     digits = len(train_loader.dataset)  # type: ignore[arg-type]
     print(f"training on {names}: {digits} digits, batch size {batch_size}")
+    # A line per epoch as it ends, from the trainer's events, read by a task of its own
+    # while the fit runs (the stream ends after the fit's FitEnded).
+    reporter = asyncio.create_task(report_epochs(trainer.events()))
     started = time.perf_counter()
-    result = await trainer.fit(train_loader, epochs=epochs, valid_data=valid_loader)
+    try:
+        result = await trainer.fit(train_loader, epochs=epochs, valid_data=valid_loader)
+    finally:
+        await reporter
     seconds = time.perf_counter() - started
-    for record in result.history:
-        valid = record.valid_metrics or {}
-        print(
-            f"epoch {record.epoch + 1:2d}: train loss {record.train_loss:.4f}, "
-            f"valid loss {valid.get('loss', float('nan')):.4f}, "
-            f"valid accuracy {valid.get('accuracy', float('nan')):.2%}"
-        )
     final = result.history[-1].valid_metrics or {}
     count = len(trainer.devices)
     print(

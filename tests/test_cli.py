@@ -27,6 +27,8 @@ def test_demo_reaches_over_90_percent_on_two_cpu_workers_and_summarises() -> Non
     assert completed.returncode == 0, completed.stderr
     out = completed.stdout
     assert "training on cpu#0, cpu#1: 1437 digits" in out
+    epochs = [line.split(":")[0] for line in out.splitlines() if line.startswith("epoch")]
+    assert epochs == [f"epoch {n:2d}" for n in range(1, 7)]  # one line an epoch, in order
     summary = out.strip().splitlines()[-1]
     assert re.fullmatch(
         r"done: 2 devices \(cpu#0, cpu#1\), [0-9,]+ items/s, [0-9.]+ s, final train loss [0-9.]+, "
