@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ._exceptions import CheckpointError
+from ._exceptions import CheckpointError, ConfigurationError
 
 __all__ = [
     "capture_loader_rng",
@@ -247,10 +247,15 @@ def _on_meta(model: nn.Module) -> nn.Module | None:
 
 
 def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
-    """The checkpoint in ``folder`` with the highest epoch and step, or None."""
+    """The checkpoint in ``folder`` with the highest epoch and step; None where there is
+    none yet, or no folder. A file there is refused (`ConfigurationError`)."""
     found: list[tuple[int, int, Path]] = []
     root = Path(folder)
     if not root.is_dir():
+        if root.exists():
+            raise ConfigurationError(
+                f"checkpoint_dir {str(root)!r} is a file, not a folder: give a folder"
+            )
         return None
     for entry in root.iterdir():
         match = _NAME.match(entry.name)

@@ -167,7 +167,9 @@ class Resumable(Epochs):
         if str(resume) == "latest":
             if self.checkpoint_dir is None:
                 raise ConfigurationError("resume='latest' needs Trainer(checkpoint_dir=...)")
-            path = await anyio.to_thread.run_sync(_latest_in, Path(self.checkpoint_dir))
+            path = await anyio.to_thread.run_sync(
+                _checkpoint.latest_checkpoint, self.checkpoint_dir
+            )
             if path is None:
                 # Not an error: a script that always resumes from the latest checkpoint must
                 # be able to run the first time, before it wrote one (as Lightning's
@@ -176,15 +178,6 @@ class Resumable(Epochs):
         else:
             path = Path(resume)
         return await anyio.to_thread.run_sync(_checkpoint.load, path)
-
-
-def _latest_in(folder: Path) -> Path | None:
-    """The newest checkpoint in ``folder``; None where there is none yet (or no folder)."""
-    if folder.exists() and not folder.is_dir():
-        raise ConfigurationError(
-            f"checkpoint_dir {str(folder)!r} is a file, not a folder: give a folder"
-        )
-    return _checkpoint.latest_checkpoint(folder)
 
 
 def _sums_dict(sums: Sums) -> dict[str, Any]:
