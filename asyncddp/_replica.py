@@ -70,14 +70,22 @@ class Replica:
         self.buffer_backup: list[torch.Tensor] | None = None
         self.buffers_saved_for: int | None = None
         # Which parameters got a gradient in the open window: one that no device used is left
-        # out of the optimizer step, as in a plain loop (where its .grad stays None).
-        self.used = [False] * len(self.params)
+        # out of the optimizer step, as in a plain loop (where its .grad stays None). The hooks
+        # hold the flags alone: a hook holding the replica would make a cycle (parameter, hook,
+        # replica, model, parameter) that the garbage collector cannot see through torch's
+        # hooks, and every replica, its optimizer state and the model would outlive the trainer.
+        self._used = _UsedFlags(len(self.params))
         for index, param in enumerate(self.params):
-            hook = functools.partial(self._mark_used, index)
+            hook = functools.partial(_UsedFlags.mark, self._used, index)
             param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
 
-    def _mark_used(self, index: int, param: torch.Tensor) -> None:
-        self.used[index] = True
+    @property
+    def used(self) -> list[bool]:
+        return self._used.flags
+
+    @used.setter
+    def used(self, flags: list[bool]) -> None:
+        self._used.flags = flags
 
     def regroup(self, parts: int, index: int, *, loose: bool = False) -> None:
         """Re-cut the gradient buffers for ``parts`` replicas, this one at ``index`` (or none,
@@ -108,6 +116,18 @@ class Replica:
     def lr(self) -> float | None:
         groups = self.optimizer.param_groups
         return float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
+
+
+class _UsedFlags:
+    """Which parameters of a replica got a gradient since its window opened."""
+
+    __slots__ = ("flags",)
+
+    def __init__(self, params: int) -> None:
+        self.flags = [False] * params
+
+    def mark(self, index: int, param: torch.Tensor) -> None:
+        self.flags[index] = True
 
 
 def check_rebuilt(first: Replica) -> None:

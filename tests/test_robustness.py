@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import os
 import re
 import signal
@@ -11,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import asyncddp
-from asyncddp import Trainer, cpu_devices
+from asyncddp import Trainer, WorkerFailedError, cpu_devices
 from asyncddp._data import items_in, split_batch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,6 +96,29 @@ async def test_a_long_run_keeps_threads_and_event_buffers_flat() -> None:
         f"(maxlen 50), {stream.dropped} dropped"
     )
     del stream
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("ending", ["fit", "failed fit", "validate"])
+async def test_a_trainer_let_go_frees_its_model_and_replicas(devices: int, ending: str) -> None:
+    # A notebook sweep or a service trains one model after another and keeps none of them: each
+    # trainer's replicas and optimizer state (on a GPU, device memory) must go with it.
+    model = make_model(0)
+    step = mse
+    if ending == "failed fit":
+        step = asyncddp.testing.failing_step(mse, device=devices - 1, at=1)
+    trainer = Trainer(model, ADAM, step, devices=cpu_devices(devices), progress_bar=False)
+    if ending == "validate":
+        await trainer.validate(make_batches(0))
+    else:
+        with contextlib.nullcontext() if ending == "fit" else pytest.raises(WorkerFailedError):
+            await trainer.fit(make_batches(0))
+    gone = [weakref.ref(thing) for thing in (trainer, model, *trainer._replicas)]
+    assert len(gone) == 2 + devices
+    del trainer, model
+    gc.collect()
+    assert [ref() is None for ref in gone] == [True] * len(gone)
 
 
 WRITER = textwrap.dedent(
