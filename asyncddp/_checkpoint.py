@@ -149,27 +149,52 @@ def check_fits(
     saved_optimizer = state.get("optimizer")
     saved_scheduler = state.get("lr_scheduler")
     # The user's factories run for a probe only where one is needed.
-    needed = (saved_optimizer is not None and optimizer is None) or (
+    needed = saved_optimizer is not None or (
         saved_scheduler is not None and make_scheduler is not None
     )
-    probe_optimizer = (
-        _made(make_optimizer, [p for p in probe.parameters() if p.requires_grad])
-        if probe is not None and needed
-        else None
-    )
+    if not needed:
+        probe_optimizer = None
+    elif optimizer is not None:  # built already: its groups are fixed, whatever the factory
+        probe_optimizer = _optimizer_on_meta(optimizer)
+    elif probe is not None:
+        probe_optimizer = _made(make_optimizer, [p for p in probe.parameters() if p.requires_grad])
+    else:
+        probe_optimizer = None
+    if not isinstance(probe_optimizer, torch.optim.Optimizer):
+        probe_optimizer = None
     if saved_optimizer is not None:
         if optimizer is not None:
             check_optimizer_fits(saved_optimizer, optimizer)
-        elif isinstance(probe_optimizer, torch.optim.Optimizer):
+        if probe_optimizer is not None:
+            fresh = [set(group) for group in probe_optimizer.param_groups]
             _try_load(probe_optimizer, saved_optimizer, "optimizer")
-    if (
-        saved_scheduler is not None
-        and make_scheduler is not None
-        and isinstance(probe_optimizer, torch.optim.Optimizer)
-    ):
+            loaded = [set(group) for group in probe_optimizer.param_groups]
+            _check_kind("optimizer", [sorted(f - g) for f, g in zip(fresh, loaded, strict=True)])
+    if saved_scheduler is not None and make_scheduler is not None and probe_optimizer is not None:
         probe_scheduler = _made(make_scheduler, probe_optimizer)
         if probe_scheduler is not None:  # load_state_dict may pop entries: a copy (it is small)
+            fresh_keys = set(probe_scheduler.state_dict())
             _try_load(probe_scheduler, copy.deepcopy(saved_scheduler), "LR scheduler")
+            if isinstance(saved_scheduler, Mapping):
+                # Private attributes come and go between torch versions; public ones name
+                # the scheduler's own settings (StepLR's step_size, CosineAnnealingLR's T_max).
+                public = {key for key in fresh_keys if not key.startswith("_")}
+                _check_kind("LR scheduler", [sorted(public - set(saved_scheduler))])
+
+
+def _check_kind(what: str, missing: list[list[str]]) -> None:
+    """Refuse a state that torch loaded without a word but that lacks settings this trainer's
+    optimizer (in a parameter group) or LR scheduler has: it was saved by another kind (SGD's
+    state into Adam's, StepLR's into CosineAnnealingLR's), and training would fail on them
+    later, or go on with the wrong schedule."""
+    absent = sorted({key for keys in missing for key in keys})
+    if absent:
+        names = ", ".join(repr(key) for key in absent)
+        raise CheckpointError(
+            f"the state's {what} does not load into this trainer's: it has no {names}, which "
+            f"this trainer's {what} has, so it was saved with another kind of {what}. Load a "
+            f"state saved with the same {what} factory, or build the Trainer with that factory"
+        )
 
 
 def _made(factory: Callable[[Any], Any], argument: Any) -> Any:
@@ -184,8 +209,14 @@ def _try_load(probe: Any, saved: Any, what: str) -> None:
     try:
         probe.load_state_dict(saved)
     except Exception as error:
+        detail = (
+            f"it has no {error} where this trainer's {what} reads one, so it was saved with "
+            f"another kind of {what}"
+            if isinstance(error, KeyError)
+            else str(error)
+        )
         raise CheckpointError(
-            f"the state's {what} does not load into this trainer's: {error}"
+            f"the state's {what} does not load into this trainer's: {detail}"
         ) from error
 
 
@@ -221,6 +252,31 @@ def check_optimizer_fits(saved: Any, optimizer: torch.optim.Optimizer) -> None:
             f"{sizes} parameters in the state, {mine} in the trainer's optimizer. Load a state "
             "saved with the same optimizer factory, or build the Trainer with that factory"
         )
+
+
+def _optimizer_on_meta(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """A copy of ``optimizer`` whose parameters and state tensors are empty tensors on the meta
+    device; ``None`` for an optimizer that cannot be copied."""
+    memo: dict[int, Any] = {}
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]
+    tensors += [
+        value
+        for per_param in optimizer.state.values()
+        for value in per_param.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    for tensor in tensors:
+        if id(tensor) not in memo:
+            meta = torch.empty_like(tensor, device="meta")
+            memo[id(tensor)] = (
+                nn.Parameter(meta, requires_grad=tensor.requires_grad)
+                if isinstance(tensor, nn.Parameter)
+                else meta
+            )
+    try:
+        return copy.deepcopy(optimizer, memo)
+    except Exception:
+        return None
 
 
 def _on_meta(model: nn.Module) -> nn.Module | None:
