@@ -111,16 +111,18 @@ def check_fits(
     as it was: a load that failed half way would leave the position of one state and the
     weights of another.
 
-    The model's and the LR scheduler's are tried for real, by torch, on probes: a copy of
-    ``model`` (``trainer.model``) whose parameters, buffers and tensor attributes are on the
-    meta device (shapes only, no memory), an optimizer and a scheduler the factories build
-    over it; so whatever torch's own loads accept passes (load hooks that rename keys, lazy
-    modules, extra state). The optimizer's parameter groups are checked against
-    ``optimizer``, the first replica's, once there is one (its groups are fixed when it is
-    built), else against the probe optimizer. A model that cannot be copied has only its
-    shapes checked; a factory that raises on meta tensors leaves the optimizer's groups to the
-    check at the next session start (`check_optimizer_fits`) and the scheduler's state
-    unchecked.
+    Each is tried for real, by torch, on a probe with its tensors on the meta device (shapes
+    only, no memory): a copy of ``model`` (``trainer.model``); a copy of ``optimizer``, the
+    first replica's, once there is one (its groups are fixed when it is built), else an
+    optimizer the factory builds over the model's probe; a scheduler the factory builds over
+    the probe optimizer. So whatever torch's own loads accept passes (load hooks that rename
+    keys, lazy modules, extra state), and what they fail on half way is refused before it
+    touches the trainer. Torch takes another kind's state without a word where nothing it
+    reads is missing (Adam's into SGD, StepLR's into CosineAnnealingLR): a probe left without
+    a setting it had before the load (a group's ``momentum``, the scheduler's ``T_max``) is
+    refused too. A model that cannot be copied has only its shapes checked; a factory that
+    raises on meta tensors leaves the optimizer's groups to the check at the next session
+    start (`check_optimizer_fits`) and the scheduler's state unchecked.
     """
     if not isinstance(state, Mapping):
         raise CheckpointError(
