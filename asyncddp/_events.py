@@ -52,7 +52,9 @@ class FitStarted(Event):
 @dataclass(frozen=True)
 class StepEnded(Event):
     """An optimizer step is done. ``loss`` and ``metrics`` are means over its items.
-    ``epoch`` and ``step`` number from 0: the first step of a fit from the start is step 0."""
+    ``epoch`` and ``step`` number from 0: the first step of a fit from the start is step 0.
+    ``lr`` is the learning rate the step took (the first parameter group's), read before the
+    LR scheduler stepped; ``None`` for an optimizer without one."""
 
     epoch: int
     step: int

@@ -372,6 +372,7 @@ class Jobs:
         for unused in work.unused:
             replica.params[unused].grad = None  # no device used it: the optimizer skips it
         replica.stepped_at = work.apply_id  # from here on, a failure must be undone
+        lr = replica.stepped_lr = replica.lr()  # the rate this step takes, not the next one's
         replica.optimizer.step()
         if work.scheduler_step and replica.scheduler is not None:
             replica.scheduler.step()
@@ -389,7 +390,7 @@ class Jobs:
             with torch.no_grad():
                 for mine, first in zip(replica.buffers, self.replicas[0].buffers, strict=True):
                     mine.copy_(first, non_blocking=True)
-        return replica.lr()
+        return lr
 
     def train_and_step(
         self, ctx: WorkerContext, work: FusedWork

@@ -65,6 +65,8 @@ class Replica:
         self.backup = StepBackup()
         #: The optimizer step (by apply id) this replica took and may have to undo.
         self.stepped_at: int | None = None
+        #: The learning rate of the last optimizer step, before its LR scheduler stepped.
+        self.stepped_lr: float | None = None
         # Buffers (BatchNorm statistics) as the open window found them, to undo its forwards,
         # and that window's number (see TrainWork.opens_window).
         self.buffer_backup: list[torch.Tensor] | None = None

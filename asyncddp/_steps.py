@@ -527,7 +527,7 @@ class Steps:
                     self._consistent = False
                 raise
             self._cancelled_in_step = self._cancelled_in_step or error
-            lr = self._replicas[0].lr()
+            lr = self._replicas[0].stepped_lr
         self._window_open = False
         return lr
 

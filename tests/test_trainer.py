@@ -538,6 +538,29 @@ async def test_pin_memory_without_a_gpu_warns_and_trains_as_without_it() -> None
     assert_close(trainer.model, expected)
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("interval", ["step", "epoch"])
+async def test_each_step_reports_the_learning_rate_it_took(devices: int, interval: str) -> None:
+    halve = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5)
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(devices),
+        lr_scheduler=halve,
+        lr_scheduler_interval=interval,
+        progress_bar=False,
+    )
+    stream = trainer.events()
+    await trainer.fit(make_batches([4, 4, 4]), epochs=2)
+    lrs = [event.lr async for event in stream if isinstance(event, StepEnded)]
+    lr = SGD.keywords["lr"]
+    if interval == "step":
+        assert lrs == pytest.approx([lr * 0.5**i for i in range(6)])
+    else:
+        assert lrs == pytest.approx([lr] * 3 + [lr / 2] * 3)
+
+
 async def test_a_tensor_learning_rate_in_the_factory_decays_once_a_step_on_every_device() -> None:
     # The partial's one lr tensor was every replica's: each scheduler decayed it in place.
     batches = make_batches([4, 4, 4])
