@@ -304,9 +304,17 @@ def _on_meta(model: nn.Module) -> nn.Module | None:
         return None
 
 
+def position_of(path: Path) -> tuple[int, int]:
+    """The epochs and optimizer steps done that a checkpoint's name (`checkpoint_name`) says."""
+    match = _NAME.match(path.name)
+    assert match is not None, path
+    return int(match[1]), int(match[2])
+
+
 def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
-    """The checkpoint in ``folder`` with the highest epoch and step; None where there is
-    none yet, or no folder. A file there is refused (`ConfigurationError`)."""
+    """The checkpoint in ``folder`` with the highest epoch and step, among those named as
+    `checkpoint_name` names them; None where there is none yet, or no folder. A file there is
+    refused (`ConfigurationError`)."""
     found: list[tuple[int, int, Path]] = []
     root = Path(folder)
     if not root.is_dir():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from . import _checkpoint
 from ._dsteps import collective
 from ._epochs import EpochRecord, Epochs
 from ._events import CheckpointSaved
-from ._exceptions import ConfigurationError
+from ._exceptions import CheckpointError, ConfigurationError
 from ._jobs import Sums
 from ._precision import LossScaler
 from ._replica import OptimizerFactory, SchedulerFactory
@@ -177,7 +178,32 @@ class Resumable(Epochs):
                 return None
         else:
             path = Path(resume)
+            if str(resume) in ("last", "last.ckpt") and not path.exists():
+                raise CheckpointError(
+                    f"no checkpoint at {str(resume)!r}: for the newest checkpoint in "
+                    "checkpoint_dir, pass resume='latest'"
+                )
         return await anyio.to_thread.run_sync(_checkpoint.load, path)
+
+    async def _warn_if_checkpoints_ahead(self) -> None:
+        """Warn where ``checkpoint_dir`` holds a checkpoint further on than this trainer, in a
+        fit that does not resume: another run's, whose files this one would write beside and
+        over, and which ``resume="latest"`` would later pick."""
+        if self.checkpoint_dir is None or (self._comm is not None and self._comm.rank != 0):
+            return  # across ranks, rank 0 writes the checkpoints
+        newest = await anyio.to_thread.run_sync(_checkpoint.latest_checkpoint, self.checkpoint_dir)
+        if newest is None or _checkpoint.position_of(newest) <= (self.epoch, self.global_step):
+            return
+        epochs, steps = _checkpoint.position_of(newest)
+        warnings.warn(
+            f"checkpoint_dir {str(self.checkpoint_dir)!r} holds a checkpoint further on than "
+            f"this trainer ({newest.name}: {epochs} epochs and {steps} steps done), from "
+            "another run, most likely: this fit writes its checkpoints beside it, replacing "
+            "those of the same name, and resume='latest' would later pick that one. Pass "
+            "resume='latest' to go on from it, or give this run a checkpoint_dir of its own",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _sums_dict(sums: Sums) -> dict[str, Any]:

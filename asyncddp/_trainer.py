@@ -423,7 +423,9 @@ class Trainer(Resumable):
             epochs: Epochs to have completed when ``fit`` returns.
             valid_data: Batches to validate on after every epoch.
             resume: A checkpoint to continue from, or ``"latest"`` for the newest one in
-                ``checkpoint_dir`` (none there yet: a warning, and nothing is resumed).
+                ``checkpoint_dir`` by the counts in its name (those ``fit`` and
+                ``save_checkpoint()`` write there; none yet: a warning, and nothing is
+                resumed).
 
         Returns:
             The epochs completed by this call, and whether ``stop()`` ended it.
@@ -443,7 +445,9 @@ class Trainer(Resumable):
         Warns:
             UserWarning: ``epochs`` are complete already, so the call trains nothing; or
                 ``resume="latest"`` found no checkpoint in ``checkpoint_dir`` yet, so nothing
-                is resumed (a resumable script's first run starts from scratch).
+                is resumed (a resumable script's first run starts from scratch); or, without
+                ``resume``, ``checkpoint_dir`` holds a checkpoint further on than this trainer
+                (another run's: this fit's would be written beside and over its files).
 
         Cancellation handling:
             Cancelling the task that awaits ``fit`` stops at once: the running jobs finish
@@ -471,6 +475,8 @@ class Trainer(Resumable):
             # A checkpoint may have begun while joining or reading: it snapshots the position,
             # so the state is taken once it has ended (nothing awaits from here to the session).
             await self._wait_for_checkpoint_session()
+            if resume is None:
+                await self._warn_if_checkpoints_ahead()
             if state is not None:
                 self._adopt(state)
             elif resume is not None:  # "latest", and no checkpoint yet (on rank 0)
@@ -581,12 +587,28 @@ class Trainer(Resumable):
                     "batches, a DataLoader)"
                 )
 
-    async def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
+    async def save_checkpoint(self, path: str | os.PathLike[str] | None = None) -> Path:
         """Write the training state to ``path`` atomically; safe while ``fit`` runs.
 
         During a fit it waits for the current optimizer step to end, so the checkpoint holds a
         consistent state. The file is written on a thread, not on the event loop.
+
+        Args:
+            path: The file to write. By default a file in ``checkpoint_dir`` named as ``fit``
+                names its own (``epoch0004-step000130.ckpt``: the epochs and steps done), which
+                ``fit(resume="latest")`` finds: the way to save before a preemption.
+
+        Returns:
+            The path written.
+
+        Raises:
+            ConfigurationError: no ``path``, and the trainer has no ``checkpoint_dir``.
         """
+        if path is None and self.checkpoint_dir is None:
+            raise ConfigurationError(
+                "save_checkpoint() without a path writes into checkpoint_dir, and this "
+                "Trainer has none: give a path, or build the Trainer with checkpoint_dir=..."
+            )
         while True:
             while self._scheduler is None and self._session_kind is not None:
                 assert self._session_done is not None  # a fit or validate closing its session:
@@ -606,6 +628,10 @@ class Trainer(Resumable):
             # session of this checkpoint's own then undoes that half step before the snapshot.
             assert done is not None
             await done.wait()
+        if path is None:  # named for the position the state holds
+            assert self.checkpoint_dir is not None
+            name = _checkpoint.checkpoint_name(state["epoch"], state["global_step"])
+            path = self.checkpoint_dir / name
         return await self._write_checkpoint(state, path)
 
     def state_dict(self) -> dict[str, Any]:

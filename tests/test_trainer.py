@@ -1120,6 +1120,54 @@ async def test_resume_latest_with_no_checkpoint_yet_warns_and_starts_from_scratc
     assert_close(again.model, reference(batches, 3, SGD))
 
 
+async def test_save_checkpoint_without_a_path_is_the_one_resume_latest_takes(
+    tmp_path: Any,
+) -> None:
+    # Saved before a preemption, in mid-epoch: a checkpoint saved by a name of its own was
+    # passed over by resume="latest", which went back to the last epoch's end.
+    batches = make_batches([4] * 8)
+    trainer = checkpointing_trainer(tmp_path)
+    await trainer.fit(batches, epochs=1)
+    await fit_until_stopped(trainer, batches, epochs=2, at_step=9)
+    assert trainer.epoch == 1  # in mid-epoch
+    assert 10 <= trainer.global_step < 16
+    path = await trainer.save_checkpoint()
+    assert path == tmp_path / f"epoch0001-step{trainer.global_step:06d}.ckpt"
+    again = checkpointing_trainer(tmp_path, seed=5)
+    result = await again.fit(batches, epochs=2, resume="latest")
+    assert result.history[0].items == 8 * 4  # the whole epoch, the part before the stop too
+    assert again.global_step == 16
+    assert_close(again.model, reference(batches, 2, SGD))
+
+    bare = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), progress_bar=False)
+    with pytest.raises(ConfigurationError, match="give a path, or build the Trainer with"):
+        await bare.save_checkpoint()
+
+
+async def test_a_fit_into_a_folder_of_checkpoints_further_on_warns(tmp_path: Any) -> None:
+    # Another run's checkpoints, left in the folder: a new run that does not resume wrote its
+    # own beside them without a word, and resume="latest" later went on from the old run's.
+    batches = make_batches([4, 4])
+    await checkpointing_trainer(tmp_path).fit(batches, epochs=2)
+    fresh = checkpointing_trainer(tmp_path)
+    with pytest.warns(UserWarning, match=r"further on than this trainer \(epoch0002-step000004"):
+        await fresh.fit(batches, epochs=1)
+    # Not where the trainer goes on from there: resumed, or loaded, or its own checkpoints.
+    await checkpointing_trainer(tmp_path).fit(batches, epochs=3, resume="latest")
+    loaded = checkpointing_trainer(tmp_path)
+    loaded.load_state_dict(torch.load(tmp_path / "epoch0003-step000006.ckpt"))
+    await loaded.fit(batches, epochs=4)
+    await loaded.fit(batches, epochs=5)
+
+
+async def test_resume_last_points_to_latest(tmp_path: Any) -> None:
+    trainer = checkpointing_trainer(tmp_path)
+    with pytest.raises(
+        asyncddp.CheckpointError, match=r"no checkpoint at 'last': .* resume='latest'"
+    ):
+        await trainer.fit(make_batches([4]), resume="last")
+
+
 async def test_fit_to_epochs_already_complete_warns_and_trains_nothing() -> None:
     # epochs counts from the start of training (Lightning's max_epochs); a second
     # fit(epochs=2) after two epochs returned an empty history without a word, and a
