@@ -341,6 +341,8 @@ def loss_and_metrics(
     """Read a step's output: the scalar loss, any further metrics, and the count of items the
     loss is the mean over when the step gives one (``"items"``; ``None`` otherwise)."""
     items = None
+    # Validation runs valid_step (by default the step itself): its errors say which ran.
+    step = "the step" if training else "the validation step"
     if isinstance(output, torch.Tensor):
         loss, metrics = output, {}
     elif isinstance(output, Mapping) and "loss" in output:
@@ -350,20 +352,21 @@ def loss_and_metrics(
             items = _item_count(output["items"])
     elif isinstance(output, Mapping):
         raise StepOutputError(
-            f"the step returned a dict without a 'loss' entry (its keys: "
-            f"{', '.join(map(repr, output)) or 'none'}); put the loss to train on under 'loss' "
-            "(a scalar tensor, the mean over the shard's items), beside any further metrics"
+            f"{step} returned a dict without a 'loss' entry (its keys: "
+            f"{', '.join(map(repr, output)) or 'none'}); put the loss "
+            f"{'to train on' if training else 'to validate on'} under 'loss' (a scalar tensor, "
+            "the mean over the shard's items), beside any further metrics"
         )
     else:
         raise StepOutputError(
-            f"the step returned {_kind(output)}; return the loss (a scalar tensor, the mean over "
+            f"{step} returned {_kind(output)}; return the loss (a scalar tensor, the mean over "
             "the shard's items), or a dict with a 'loss' entry and further metrics"
         )
     if not isinstance(loss, torch.Tensor):
-        raise StepOutputError(f"the step's loss is {_kind(loss)}, not a tensor")
+        raise StepOutputError(f"{step}'s loss is {_kind(loss)}, not a tensor")
     if loss.numel() != 1:
         raise StepOutputError(
-            f"the step's loss has shape {tuple(loss.shape)}; return a scalar, the mean over the "
+            f"{step}'s loss has shape {tuple(loss.shape)}; return a scalar, the mean over the "
             "shard's items (for example loss.mean())"
         )
     if training and not loss.requires_grad:
@@ -374,11 +377,13 @@ def loss_and_metrics(
     for name, value in metrics.items():
         if isinstance(value, torch.Tensor) and value.numel() != 1:
             raise StepOutputError(
-                f"metric {name!r} has shape {tuple(value.shape)}; metrics are scalars, means "
-                "over the shard's items"
+                f"{step}'s metric {name!r} has shape {tuple(value.shape)}; metrics are "
+                "scalars, means over the shard's items"
             )
         if not isinstance(value, (torch.Tensor, int, float)):
-            raise StepOutputError(f"metric {name!r} is {_kind(value)}, not a number or tensor")
+            raise StepOutputError(
+                f"{step}'s metric {name!r} is {_kind(value)}, not a number or tensor"
+            )
     return loss, metrics, items
 
 

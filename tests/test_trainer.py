@@ -1287,6 +1287,24 @@ async def test_a_step_that_returns_no_scalar_loss_is_a_clear_error(step: Any, me
     assert trainer.global_step == 0
 
 
+async def test_a_validation_step_that_returns_no_loss_says_it_is_the_validation_step() -> None:
+    def accuracy_only(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        inputs, targets = batch
+        return {"accuracy": (model(inputs).argmax(1) == targets).float().mean()}
+
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(2),
+        valid_step=accuracy_only,
+        progress_bar=False,
+    )
+    message = r"the validation step returned a dict without a 'loss' entry .* to validate on"
+    with pytest.raises(StepOutputError, match=message):
+        await trainer.validate(make_batches([4]))
+
+
 async def test_a_step_that_trains_a_model_from_outside_it_is_a_clear_error() -> None:
     # A common slip: the step closes over the user's model instead of using its argument.
     # Every device would then train the first replica, and the others none: no error, wrong
