@@ -40,6 +40,12 @@ def test_scheduler_basics_trains_and_names_the_failed_device() -> None:
     assert "caught: training worker on device cpu#2 failed: " in out
 
 
+def test_early_stopping_prints_what_the_docs_show() -> None:
+    out = run_example("examples/early_stopping.py")
+    assert out == (ROOT / "docs" / "img" / "early-stopping-output.txt").read_text()
+    assert "stopped after epoch 9; kept epoch 6" in out  # early, and the best epoch's weights
+
+
 def test_trio_quickstart_runs_under_trio() -> None:
     assert run_example("examples/trio_quickstart.py").strip() == "(2, 4)"
 
