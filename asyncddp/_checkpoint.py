@@ -112,16 +112,18 @@ def check_fits(
     weights of another.
 
     Each is tried for real, by torch, on a probe with its tensors on the meta device (shapes
-    only, no memory): a copy of ``model`` (``trainer.model``); a copy of ``optimizer``, the
-    first replica's, once there is one (its groups are fixed when it is built), else an
-    optimizer the factory builds over the model's probe; a scheduler the factory builds over
-    the probe optimizer. So whatever torch's own loads accept passes (load hooks that rename
-    keys, lazy modules, extra state), and what they fail on half way is refused before it
-    touches the trainer. Torch takes another kind's state without a word where nothing it
-    reads is missing (Adam's into SGD, StepLR's into CosineAnnealingLR): a probe left without
-    a setting it had before the load (a group's ``momentum``, the scheduler's ``T_max``) is
-    refused too. A model that cannot be copied has only its shapes checked; a factory that
-    raises on meta tensors leaves the optimizer's groups to the check at the next session
+    only, no memory): a copy of ``model`` (``trainer.model``), an optimizer the factory builds
+    over it, a scheduler the factory builds over that optimizer. So whatever torch's own loads
+    accept passes (load hooks that rename keys, lazy modules, extra state, an optimizer that
+    wraps another), and what they fail on half way is refused before it touches the trainer.
+    Torch takes another kind's state without a word where nothing it reads is missing (Adam's
+    into SGD, StepLR's into CosineAnnealingLR): a probe left without a setting the factory gave
+    it (a group's ``momentum``, the scheduler's ``T_max``, also in the schedulers a
+    SequentialLR holds) is refused too. Once a fit has built ``optimizer`` (the first
+    replica's), the state's parameter groups are checked against its groups, which are fixed
+    then; where the factory would now build others (a parameter frozen since), the probe
+    optimizer is left out. A model that cannot be copied has only its shapes checked; a factory
+    that raises on meta tensors leaves the optimizer's groups to the check at the next session
     start (`check_optimizer_fits`) and the scheduler's state unchecked.
     """
     if not isinstance(state, Mapping):
@@ -154,44 +156,63 @@ def check_fits(
     needed = saved_optimizer is not None or (
         saved_scheduler is not None and make_scheduler is not None
     )
-    if not needed:
-        probe_optimizer = None
-    elif optimizer is not None:  # built already: its groups are fixed, whatever the factory
-        probe_optimizer = _optimizer_on_meta(optimizer)
-    elif probe is not None:
-        probe_optimizer = _made(make_optimizer, [p for p in probe.parameters() if p.requires_grad])
-    else:
-        probe_optimizer = None
+    probe_optimizer = (
+        _made(make_optimizer, [p for p in probe.parameters() if p.requires_grad])
+        if probe is not None and needed
+        else None
+    )
     if not isinstance(probe_optimizer, torch.optim.Optimizer):
         probe_optimizer = None
     if saved_optimizer is not None:
         if optimizer is not None:
             check_optimizer_fits(saved_optimizer, optimizer)
+            if probe_optimizer is not None and _group_sizes(probe_optimizer) != _group_sizes(
+                optimizer
+            ):
+                # Built over other parameters than the trainer's (one frozen since): the
+                # probe cannot stand for it; the groups' check above did.
+                probe_optimizer = None
         if probe_optimizer is not None:
             fresh = [set(group) for group in probe_optimizer.param_groups]
             _try_load(probe_optimizer, saved_optimizer, "optimizer")
             loaded = [set(group) for group in probe_optimizer.param_groups]
-            _check_kind("optimizer", [sorted(f - g) for f, g in zip(fresh, loaded, strict=True)])
+            _check_kind(
+                "optimizer", {key for f, g in zip(fresh, loaded, strict=True) for key in f - g}
+            )
     if saved_scheduler is not None and make_scheduler is not None and probe_optimizer is not None:
         probe_scheduler = _made(make_scheduler, probe_optimizer)
         if probe_scheduler is not None:  # load_state_dict may pop entries: a copy (it is small)
-            fresh_keys = set(probe_scheduler.state_dict())
+            fresh_state = probe_scheduler.state_dict()
             _try_load(probe_scheduler, copy.deepcopy(saved_scheduler), "LR scheduler")
-            if isinstance(saved_scheduler, Mapping):
-                # Private attributes come and go between torch versions; public ones name
-                # the scheduler's own settings (StepLR's step_size, CosineAnnealingLR's T_max).
-                public = {key for key in fresh_keys if not key.startswith("_")}
-                _check_kind("LR scheduler", [sorted(public - set(saved_scheduler))])
+            _check_kind("LR scheduler", _missing_settings(fresh_state, saved_scheduler))
 
 
-def _check_kind(what: str, missing: list[list[str]]) -> None:
+def _group_sizes(optimizer: torch.optim.Optimizer) -> list[int]:
+    return [len(group["params"]) for group in optimizer.param_groups]
+
+
+def _missing_settings(fresh: Any, saved: Any) -> set[str]:
+    """The public entries of an LR scheduler's fresh ``state_dict()`` that ``saved`` lacks, also
+    in the schedulers it holds (SequentialLR's and ChainedScheduler's ``_schedulers``).
+    Private attributes come and go between torch versions; public ones name the scheduler's
+    own settings (StepLR's ``step_size``, CosineAnnealingLR's ``T_max``)."""
+    if not isinstance(fresh, Mapping) or not isinstance(saved, Mapping):
+        return set()
+    missing = {key for key in fresh if not key.startswith("_") and key not in saved}
+    inner, saved_inner = fresh.get("_schedulers"), saved.get("_schedulers")
+    if isinstance(inner, list) and isinstance(saved_inner, list):
+        for mine, theirs in zip(inner, saved_inner, strict=False):
+            missing |= _missing_settings(mine, theirs)
+    return missing
+
+
+def _check_kind(what: str, missing: set[str]) -> None:
     """Refuse a state that torch loaded without a word but that lacks settings this trainer's
     optimizer (in a parameter group) or LR scheduler has: it was saved by another kind (SGD's
     state into Adam's, StepLR's into CosineAnnealingLR's), and training would fail on them
     later, or go on with the wrong schedule."""
-    absent = sorted({key for keys in missing for key in keys})
-    if absent:
-        names = ", ".join(repr(key) for key in absent)
+    if missing:
+        names = ", ".join(repr(key) for key in sorted(missing))
         raise CheckpointError(
             f"the state's {what} does not load into this trainer's: it has no {names}, which "
             f"this trainer's {what} has, so it was saved with another kind of {what}. Load a "
@@ -254,31 +275,6 @@ def check_optimizer_fits(saved: Any, optimizer: torch.optim.Optimizer) -> None:
             f"{sizes} parameters in the state, {mine} in the trainer's optimizer. Load a state "
             "saved with the same optimizer factory, or build the Trainer with that factory"
         )
-
-
-def _optimizer_on_meta(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
-    """A copy of ``optimizer`` whose parameters and state tensors are empty tensors on the meta
-    device; ``None`` for an optimizer that cannot be copied."""
-    memo: dict[int, Any] = {}
-    tensors = [p for group in optimizer.param_groups for p in group["params"]]
-    tensors += [
-        value
-        for per_param in optimizer.state.values()
-        for value in per_param.values()
-        if isinstance(value, torch.Tensor)
-    ]
-    for tensor in tensors:
-        if id(tensor) not in memo:
-            meta = torch.empty_like(tensor, device="meta")
-            memo[id(tensor)] = (
-                nn.Parameter(meta, requires_grad=tensor.requires_grad)
-                if isinstance(tensor, nn.Parameter)
-                else meta
-            )
-    try:
-        return copy.deepcopy(optimizer, memo)
-    except Exception:
-        return None
 
 
 def _on_meta(model: nn.Module) -> nn.Module | None:

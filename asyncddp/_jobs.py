@@ -584,11 +584,19 @@ def load_into(replica: Replica, state: Mapping[str, Any]) -> None:
     if state.get("model") is not None:
         replica.model.load_state_dict(state["model"])
     if state.get("optimizer") is not None:
+        own = [dict(group) for group in replica.optimizer.param_groups]
         # A private copy: Optimizer.load_state_dict keeps tensors that already match the
         # parameters' device and dtype, and replicas must never share optimizer state.
         replica.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        # Settings the state's groups lack are this trainer's LR scheduler's (OneCycleLR's
+        # max_lr, a state saved without it); torch's load would drop them, and the
+        # scheduler's next step fail. (Another kind of optimizer's state is refused first.)
+        for group, before in zip(replica.optimizer.param_groups, own, strict=True):
+            for key, value in before.items():
+                group.setdefault(key, value)
     if replica.scheduler is not None and state.get("lr_scheduler") is not None:
-        replica.scheduler.load_state_dict(state["lr_scheduler"])
+        # A copy for each replica: some schedulers' loads take entries out (CyclicLR's).
+        replica.scheduler.load_state_dict(copy.deepcopy(state["lr_scheduler"]))
     replica.grads.attach()
     replica.grads.zero_()
     replica.backup.forget_ahead()

@@ -349,7 +349,7 @@ def loss_and_metrics(
         loss = output["loss"]
         metrics = {str(k): v for k, v in output.items() if k not in ("loss", "items")}
         if "items" in output:
-            items = _item_count(output["items"])
+            items = _item_count(output["items"], step)
     elif isinstance(output, Mapping):
         raise StepOutputError(
             f"{step} returned a dict without a 'loss' entry (its keys: "
@@ -387,7 +387,7 @@ def loss_and_metrics(
     return loss, metrics, items
 
 
-def _item_count(value: object) -> int:
+def _item_count(value: object, step: str) -> int:
     """A step's ``"items"``: a whole number >= 0 (an int, or a one-element tensor)."""
     number = float("nan")
     if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -400,7 +400,7 @@ def _item_count(value: object) -> int:
         shown = repr(value) if isinstance(value, float) else _kind(value)
     if not (number >= 0 and number.is_integer()):
         raise StepOutputError(
-            f"the step's 'items' is {shown}; it counts the items the loss is the mean over "
+            f"{step}'s 'items' is {shown}; it counts the items the loss is the mean over "
             "(tokens, say): a whole number >= 0, as an int or a one-element tensor"
         )
     return int(number)

@@ -338,7 +338,7 @@ async def test_sgd_s_state_into_an_adam_trainer_is_refused_and_nothing_of_it_is_
 
 
 @pytest.mark.parametrize("built", [True, False], ids=["after-a-fit", "before-any-fit"])
-@pytest.mark.parametrize("kind", ["sequential", "cosine"])
+@pytest.mark.parametrize("kind", ["sequential", "cosine", "inside a sequential"])
 async def test_another_lr_scheduler_s_state_is_refused_and_nothing_of_it_is_taken(
     built: bool, kind: str
 ) -> None:
@@ -349,11 +349,23 @@ async def test_another_lr_scheduler_s_state_is_refused_and_nothing_of_it_is_take
         return torch.optim.lr_scheduler.SequentialLR(optimizer, [first, step_lr(optimizer)], [1])
 
     # SequentialLR's own load fails on StepLR's state; CosineAnnealingLR's takes it without a
-    # word, and would go on with StepLR's settings beside its own.
+    # word, and would go on with StepLR's settings beside its own; so does a SequentialLR's
+    # inner scheduler, whose state its load applies as it is.
     cosine = functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=4)
+
+    def then(second: Any) -> Callable[[torch.optim.Optimizer], Any]:
+        def make(optimizer: torch.optim.Optimizer) -> Any:
+            first = torch.optim.lr_scheduler.ConstantLR(optimizer, factor=0.5, total_iters=1)
+            return torch.optim.lr_scheduler.SequentialLR(optimizer, [first, second(optimizer)], [1])
+
+        return make
+
+    donor_scheduler = then(step_lr) if kind == "inside a sequential" else step_lr
+    scheduler = {"sequential": sequential, "cosine": cosine}.get(kind) or then(cosine)
     message = {
         "sequential": "the state's LR scheduler does not load",
         "cosine": r"LR scheduler does not load .* it has no 'T_max', 'eta_min'",
+        "inside a sequential": r"LR scheduler does not load .* it has no 'T_max', 'eta_min'",
     }[kind]
 
     def trainer_with(scheduler: Any) -> Trainer:
@@ -367,15 +379,99 @@ async def test_another_lr_scheduler_s_state_is_refused_and_nothing_of_it_is_take
             progress_bar=False,
         )
 
-    donor = trainer_with(step_lr)
+    donor = trainer_with(donor_scheduler)
     await donor.fit(batches(), epochs=1)
-    trainer = trainer_with(sequential if kind == "sequential" else cosine)
+    trainer = trainer_with(scheduler)
     if built:
         await trainer.fit(batches(), epochs=2)
     before = what_it_holds(trainer)
     with pytest.raises(CheckpointError, match=message):
         trainer.load_state_dict(donor.state_dict())
     assert_same(what_it_holds(trainer), before)
+
+
+def migrating_sgd(params: Any) -> torch.optim.Optimizer:
+    """SGD with momentum whose load gives a state saved without momentum this run's."""
+
+    def migrate(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        for group in state["param_groups"]:
+            group.setdefault("momentum", 0.9)
+            group.setdefault("dampening", 0.0)
+        return state
+
+    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    optimizer.register_load_state_dict_pre_hook(migrate)  # type: ignore[no-untyped-call]
+    return optimizer
+
+
+@pytest.mark.parametrize("built", [True, False], ids=["after-a-fit", "before-any-fit"])
+async def test_what_the_optimizer_s_own_load_hooks_accept_loads(built: bool) -> None:
+    donor = make_trainer(2)
+    await donor.fit(batches(), epochs=1)
+    state = copy.deepcopy(donor.state_dict())
+    for group in state["optimizer"]["param_groups"]:  # as a plain SGD's state, say
+        del group["momentum"], group["dampening"]
+    torch.manual_seed(0)
+    trainer = Trainer(
+        nn.Linear(4, 2), migrating_sgd, step, devices=cpu_devices(2), progress_bar=False
+    )
+    if built:
+        await trainer.fit(batches(), epochs=1)
+    trainer.load_state_dict(state)
+    await trainer.fit(batches(), epochs=2)
+    assert trainer._replicas[1].optimizer.param_groups[0]["momentum"] == 0.9
+
+
+@pytest.mark.parametrize("built", [True, False], ids=["after-a-fit", "before-any-fit"])
+async def test_a_state_saved_without_an_lr_scheduler_loads_into_a_trainer_with_one(
+    built: bool,
+) -> None:
+    # The scheduler's settings in the optimizer's groups (OneCycleLR's max_lr) stay: torch's
+    # load dropped them, and the next step failed with a KeyError. Before: refused after a fit
+    # as "another kind of optimizer", or taken and failed in the fit after it.
+    donor = make_trainer(2)
+    await donor.fit(batches(), epochs=1)
+    one_cycle = functools.partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=0.5, total_steps=100)
+    torch.manual_seed(0)
+    trainer = Trainer(
+        nn.Linear(4, 2),
+        SGD,
+        step,
+        lr_scheduler=one_cycle,
+        devices=cpu_devices(2),
+        lr_scheduler_interval="step",
+        progress_bar=False,
+    )
+    if built:
+        await trainer.fit(batches(), epochs=1)
+    trainer.load_state_dict(donor.state_dict())
+    await trainer.fit(batches(), epochs=2)
+    assert trainer._replicas[1].optimizer.param_groups[0]["max_lr"] == 0.5
+
+
+async def test_a_cyclic_lr_state_loads_into_every_device(tmp_path: Path) -> None:
+    # CyclicLR's load takes an entry out of the state it is given: every device's scheduler
+    # after the first failed on the same dict.
+    def cyclic(optimizer: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.CyclicLR(optimizer, 0.01, 0.1, step_size_up=2)
+
+    def trainer() -> Trainer:
+        torch.manual_seed(0)
+        return Trainer(
+            nn.Linear(4, 2),
+            SGD,
+            step,
+            lr_scheduler=cyclic,
+            devices=cpu_devices(2),
+            checkpoint_dir=tmp_path,
+            progress_bar=False,
+        )
+
+    await trainer().fit(batches(), epochs=1)
+    resumed = trainer()
+    await resumed.fit(batches(), epochs=2, resume="latest")
+    lrs = [r.optimizer.param_groups[0]["lr"] for r in resumed._replicas]
+    assert lrs[0] == lrs[1]
 
 
 class Locked(nn.Linear):
