@@ -400,7 +400,7 @@ async def test_a_valid_step_that_returns_no_loss_raises_step_output_error_itself
         devices=cpu_devices(2),
         progress_bar=False,
     )
-    with pytest.raises(asyncddp.StepOutputError, match="the step returned None"):
+    with pytest.raises(asyncddp.StepOutputError, match="the validation step returned None"):
         await trainer.validate(make_batches(1))
 
 
