@@ -134,7 +134,11 @@ class _FailInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        raise ctx.error
+        # Let go of it first: the error's traceback holds the loss, whose graph holds this
+        # context, a cycle through torch's autograd that the garbage collector cannot see
+        # (the model and every replica were kept for good).
+        error, ctx.error = ctx.error, None
+        raise error
 
 
 def failing_step(
