@@ -9,6 +9,7 @@ bound. A stream ends after the ``FitEnded`` event of the fit it saw.
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -142,6 +143,9 @@ class FitEnded(Event):
 class EventStream:
     """One consumer's view of a trainer's events: ``async for event in stream``.
 
+    It ends after the ``FitEnded`` of the fit it saw, or when closed (`close`, or leaving
+    ``async with stream:``); a stream nobody holds any more is dropped by the trainer.
+
     Attributes:
         dropped: Events lost because this consumer fell more than ``maxlen`` behind.
     """
@@ -181,22 +185,35 @@ class EventStream:
         if self._wakeup is not None:
             self._wakeup.set()
 
+    async def aclose(self) -> None:
+        """`close`, for ``contextlib.aclosing`` and other async resource helpers."""
+        self.close()
+
+    async def __aenter__(self) -> EventStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
 
 class EventHub:
-    """Fans each event out to every open stream; lives on the event loop thread."""
+    """Fans each event out to every open stream; lives on the event loop thread.
+
+    It holds its streams weakly: a stream its consumer let go of (a loop left with ``break``, a
+    client that disconnected) is not kept, filled and published to for the trainer's life.
+    """
 
     def __init__(self, maxlen: int = 1000) -> None:
         self._maxlen = maxlen
-        self._streams: list[EventStream] = []
+        self._streams: weakref.WeakSet[EventStream] = weakref.WeakSet()
 
     def subscribe(self, maxlen: int | None = None) -> EventStream:
         stream = EventStream(self, maxlen or self._maxlen)
-        self._streams.append(stream)
+        self._streams.add(stream)
         return stream
 
     def unsubscribe(self, stream: EventStream) -> None:
-        if stream in self._streams:
-            self._streams.remove(stream)
+        self._streams.discard(stream)
 
     def publish(self, event: Event) -> None:
         for stream in tuple(self._streams):

@@ -370,7 +370,9 @@ class Trainer(Resumable):
 
         The stream ends after the ``FitEnded`` event of the fit in progress (or of the next
         one). It buffers up to ``maxlen`` events; a consumer that falls further behind loses
-        the oldest ones (counted in ``stream.dropped``), so it never slows training down.
+        the oldest ones (counted in ``stream.dropped``), so it never slows training down. The
+        trainer holds its streams weakly: one its consumer let go of (a loop left with
+        ``break``) is not kept; ``async with trainer.events() as stream:`` closes it on exit.
         """
         if maxlen < 1:
             raise ConfigurationError(f"maxlen must be >= 1, got {maxlen}")

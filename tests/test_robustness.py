@@ -100,14 +100,15 @@ async def test_a_long_run_keeps_threads_and_event_buffers_flat() -> None:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("devices", [1, 2])
-@pytest.mark.parametrize("ending", ["fit", "failed fit", "validate"])
+@pytest.mark.parametrize("ending", ["fit", "failed fit", "failed backward", "validate"])
 async def test_a_trainer_let_go_frees_its_model_and_replicas(devices: int, ending: str) -> None:
     # A notebook sweep or a service trains one model after another and keeps none of them: each
     # trainer's replicas and optimizer state (on a GPU, device memory) must go with it.
     model = make_model(0)
     step = mse
-    if ending == "failed fit":
-        step = asyncddp.testing.failing_step(mse, device=devices - 1, at=1)
+    if ending.startswith("failed"):
+        where = "backward" if ending == "failed backward" else "forward"
+        step = asyncddp.testing.failing_step(mse, device=devices - 1, at=1, where=where)
     trainer = Trainer(model, ADAM, step, devices=cpu_devices(devices), progress_bar=False)
     if ending == "validate":
         await trainer.validate(make_batches(0))
@@ -119,6 +120,32 @@ async def test_a_trainer_let_go_frees_its_model_and_replicas(devices: int, endin
     del trainer, model
     gc.collect()
     assert [ref() is None for ref in gone] == [True] * len(gone)
+
+
+@pytest.mark.anyio
+async def test_a_stream_its_consumer_let_go_of_is_not_kept() -> None:
+    # A consumer that leaves its loop (a client that disconnected) left its stream subscribed,
+    # filled with every later event, for the trainer's life.
+    trainer = Trainer(make_model(0), ADAM, mse, devices=cpu_devices(2), progress_bar=False)
+    streams: list[weakref.ref[asyncddp.EventStream]] = []
+
+    async def first_step_only() -> None:
+        stream = trainer.events()
+        streams.append(weakref.ref(stream))
+        async for event in stream:
+            if isinstance(event, asyncddp.StepEnded):
+                break
+
+    for epochs in (1, 2):
+        async with anyio.create_task_group() as group:
+            group.start_soon(first_step_only)
+            await trainer.fit(make_batches(0), epochs=epochs)
+    async with trainer.events() as closed:  # closed on leaving the block
+        pass
+    gc.collect()
+    assert [ref() for ref in streams] == [None, None]
+    assert len(trainer._hub._streams) == 0
+    assert closed._ended
 
 
 WRITER = textwrap.dedent(
