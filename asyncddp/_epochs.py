@@ -503,6 +503,10 @@ class Epochs(DistributedSteps):
     def _progress_bar(self, epoch: int, epochs: int, total: int | None, done: int) -> Any:
         enabled = self.progress_bar if self.progress_bar is not None else _interactive()
         enabled = enabled and (self._comm is None or self._comm.rank == 0)  # one bar, rank 0's
+        if not enabled:
+            # Not tqdm(disable=True): any tqdm starts tqdm's monitor thread, which stays for
+            # the process's life (a service with no bar would carry it).
+            return _NO_BAR
         return tqdm(
             total=total,
             initial=done,
@@ -510,8 +514,19 @@ class Epochs(DistributedSteps):
             unit="item",
             dynamic_ncols=True,
             leave=True,
-            disable=not enabled,
         )
+
+
+class _NoBar:
+    """The progress bar where none is shown."""
+
+    disable = True
+
+    def close(self) -> None:
+        pass
+
+
+_NO_BAR = _NoBar()
 
 
 def _interactive() -> bool:

@@ -122,6 +122,25 @@ async def test_a_trainer_let_go_frees_its_model_and_replicas(devices: int, endin
     assert [ref() is None for ref in gone] == [True] * len(gone)
 
 
+def test_a_fit_without_a_progress_bar_leaves_no_thread_behind() -> None:
+    # tqdm(disable=True) still started tqdm's monitor thread, there for the process's life. In
+    # a process of its own: the suite's other tests show bars.
+    script = textwrap.dedent(
+        """
+        import asyncio, functools, threading, torch, asyncddp
+        sgd = functools.partial(torch.optim.SGD, lr=0.1)
+        trainer = asyncddp.Trainer(torch.nn.Linear(2, 1), sgd, lambda m, b: m(b).pow(2).mean(),
+                                   devices=asyncddp.cpu_devices(2), progress_bar=False)
+        asyncio.run(trainer.fit([torch.ones(4, 2)] * 3))
+        print(sorted(t.name for t in threading.enumerate()))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "['MainThread']"
+
+
 @pytest.mark.anyio
 async def test_a_stream_its_consumer_let_go_of_is_not_kept() -> None:
     # A consumer that leaves its loop (a client that disconnected) left its stream subscribed,
