@@ -172,7 +172,13 @@ class EventStream:
             if self._ended:
                 raise StopAsyncIteration
             self._wakeup = anyio.Event()
-            await self._wakeup.wait()
+            # Held while its consumer waits here: a task nobody keeps (create_task's result
+            # dropped) is held by what it waits on alone, this stream.
+            self._hub._waiting.add(self)
+            try:
+                await self._wakeup.wait()
+            finally:
+                self._hub._waiting.discard(self)
         event = self._queue.popleft()
         if isinstance(event, FitEnded):
             self.close()
@@ -199,13 +205,15 @@ class EventStream:
 class EventHub:
     """Fans each event out to every open stream; lives on the event loop thread.
 
-    It holds its streams weakly: a stream its consumer let go of (a loop left with ``break``, a
-    client that disconnected) is not kept, filled and published to for the trainer's life.
+    It holds its streams weakly, but for those whose consumer is waiting for the next event: a
+    stream its consumer let go of (a loop left with ``break``, a client that disconnected) is
+    not kept, filled and published to for the trainer's life.
     """
 
     def __init__(self, maxlen: int = 1000) -> None:
         self._maxlen = maxlen
         self._streams: weakref.WeakSet[EventStream] = weakref.WeakSet()
+        self._waiting: set[EventStream] = set()  # consumers waiting in __anext__
 
     def subscribe(self, maxlen: int | None = None) -> EventStream:
         stream = EventStream(self, maxlen or self._maxlen)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import gc
@@ -19,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
+import sniffio
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -165,6 +168,34 @@ async def test_a_stream_its_consumer_let_go_of_is_not_kept() -> None:
     assert [ref() for ref in streams] == [None, None]
     assert len(trainer._hub._streams) == 0
     assert closed._ended
+
+
+@pytest.mark.anyio
+async def test_a_consumer_task_nobody_keeps_still_sees_every_event() -> None:
+    # asyncio keeps tasks weakly: a consumer task whose create_task result is dropped is held
+    # by the stream it waits on alone, which the trainer holds while it waits.
+    seen: list[str] = []
+
+    async def watch(stream: asyncddp.EventStream) -> None:
+        async for event in stream:
+            seen.append(type(event).__name__)
+
+    def collecting_step(model: nn.Module, batch: Any) -> torch.Tensor:
+        gc.collect()  # as the collector may run at any time in a long fit
+        return mse(model, batch)
+
+    trainer = Trainer(
+        make_model(0), ADAM, collecting_step, devices=cpu_devices(1), progress_bar=False
+    )
+    async with anyio.create_task_group() as group:  # on trio: a nursery holds it anyway
+        if sniffio.current_async_library() == "asyncio":
+            asyncio.get_running_loop().create_task(watch(trainer.events()))
+        else:
+            group.start_soon(watch, trainer.events())
+        await anyio.lowlevel.checkpoint()
+        await trainer.fit(make_batches(0)[:3])
+        await anyio.sleep(0.05)
+    assert seen == ["FitStarted", *["StepEnded"] * 3, "EpochEnded", "FitEnded"]
 
 
 WRITER = textwrap.dedent(
