@@ -121,8 +121,8 @@ def check_fits(
     it (a group's ``momentum``, the scheduler's ``T_max``, also in the schedulers a
     SequentialLR holds) is refused too. Once a fit has built ``optimizer`` (the first
     replica's), the state's parameter groups are checked against its groups, which are fixed
-    then; where the factory would now build others (a parameter frozen since), the probe
-    optimizer is left out. A model that cannot be copied has only its shapes checked; a factory
+    then, and the probe optimizer is built over the parameters it holds (a parameter frozen
+    since among them). A model that cannot be copied has only its shapes checked; a factory
     that raises on meta tensors leaves the optimizer's groups to the check at the next session
     start (`check_optimizer_fits`) and the scheduler's state unchecked.
     """
@@ -157,7 +157,7 @@ def check_fits(
         saved_scheduler is not None and make_scheduler is not None
     )
     probe_optimizer = (
-        _made(make_optimizer, [p for p in probe.parameters() if p.requires_grad])
+        _made(make_optimizer, _optimized(model, probe, optimizer))
         if probe is not None and needed
         else None
     )
@@ -166,12 +166,6 @@ def check_fits(
     if saved_optimizer is not None:
         if optimizer is not None:
             check_optimizer_fits(saved_optimizer, optimizer)
-            if probe_optimizer is not None and _group_sizes(probe_optimizer) != _group_sizes(
-                optimizer
-            ):
-                # Built over other parameters than the trainer's (one frozen since): the
-                # probe cannot stand for it; the groups' check above did.
-                probe_optimizer = None
         if probe_optimizer is not None:
             fresh = [set(group) for group in probe_optimizer.param_groups]
             _try_load(probe_optimizer, saved_optimizer, "optimizer")
@@ -187,8 +181,17 @@ def check_fits(
             _check_kind("LR scheduler", _missing_settings(fresh_state, saved_scheduler))
 
 
-def _group_sizes(optimizer: torch.optim.Optimizer) -> list[int]:
-    return [len(group["params"]) for group in optimizer.param_groups]
+def _optimized(
+    model: nn.Module, probe: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> list[torch.Tensor]:
+    """The probe's counterparts of the parameters the factory was given: those ``optimizer``
+    holds once it is built (a parameter frozen since is still among them), else those that
+    train now, in the model's order either way."""
+    if optimizer is None:
+        return [p for p in probe.parameters() if p.requires_grad]
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    pairs = zip(model.parameters(), probe.parameters(), strict=True)
+    return [mine for real, mine in pairs if id(real) in held]
 
 
 def _missing_settings(fresh: Any, saved: Any) -> set[str]:
@@ -201,7 +204,13 @@ def _missing_settings(fresh: Any, saved: Any) -> set[str]:
     missing = {key for key in fresh if not key.startswith("_") and key not in saved}
     inner, saved_inner = fresh.get("_schedulers"), saved.get("_schedulers")
     if isinstance(inner, list) and isinstance(saved_inner, list):
-        for mine, theirs in zip(inner, saved_inner, strict=False):
+        if len(inner) != len(saved_inner):
+            raise CheckpointError(
+                f"the state's LR scheduler does not load into this trainer's: it holds "
+                f"{len(saved_inner)} schedulers, this trainer's {len(inner)}. Load a state "
+                "saved with the same LR scheduler factory, or build the Trainer with that factory"
+            )
+        for mine, theirs in zip(inner, saved_inner, strict=True):
             missing |= _missing_settings(mine, theirs)
     return missing
 

@@ -588,12 +588,15 @@ def load_into(replica: Replica, state: Mapping[str, Any]) -> None:
         # A private copy: Optimizer.load_state_dict keeps tensors that already match the
         # parameters' device and dtype, and replicas must never share optimizer state.
         replica.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
-        # Settings the state's groups lack are this trainer's LR scheduler's (OneCycleLR's
-        # max_lr, a state saved without it); torch's load would drop them, and the
-        # scheduler's next step fail. (Another kind of optimizer's state is refused first.)
+        # Settings the LR scheduler put in the groups (OneCycleLR's max_lr), which a state
+        # saved without it lacks: torch's load would drop them, and the scheduler's next step
+        # fail. Not the optimizer's own (its defaults): another kind's state is refused
+        # before, and where it could not be checked, fails as torch's load would.
+        mine = replica.optimizer.defaults
         for group, before in zip(replica.optimizer.param_groups, own, strict=True):
             for key, value in before.items():
-                group.setdefault(key, value)
+                if key not in mine and key != "params":
+                    group.setdefault(key, value)
     if replica.scheduler is not None and state.get("lr_scheduler") is not None:
         # A copy for each replica: some schedulers' loads take entries out (CyclicLR's).
         replica.scheduler.load_state_dict(copy.deepcopy(state["lr_scheduler"]))

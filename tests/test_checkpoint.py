@@ -390,6 +390,54 @@ async def test_another_lr_scheduler_s_state_is_refused_and_nothing_of_it_is_take
     assert_same(what_it_holds(trainer), before)
 
 
+async def test_another_kind_of_optimizer_s_state_is_refused_after_a_layer_was_frozen() -> None:
+    # The probe is built over the parameters the optimizer holds, not those that train now:
+    # built over those, it was left out, and Adam's state was merged into SGD's groups.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    trainer = Trainer(model, SGD, step, devices=cpu_devices(2), progress_bar=False)
+    await trainer.fit(batches(), epochs=1)
+    trainer.model[0].requires_grad_(False)
+    adam = Trainer(
+        nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)),
+        functools.partial(torch.optim.Adam, lr=0.01),
+        step,
+        devices=cpu_devices(2),
+        progress_bar=False,
+    )
+    await adam.fit(batches(), epochs=1)
+    before = what_it_holds(trainer)
+    with pytest.raises(CheckpointError, match="saved with another kind of optimizer"):
+        trainer.load_state_dict(adam.state_dict())
+    assert_same(what_it_holds(trainer), before)
+
+
+async def test_a_sequential_lr_of_other_length_is_refused() -> None:
+    def sequential(count: int) -> Callable[[torch.optim.Optimizer], Any]:
+        def make(optimizer: torch.optim.Optimizer) -> Any:
+            inner = [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1) for _ in range(count)]
+            milestones = list(range(1, count))
+            return torch.optim.lr_scheduler.SequentialLR(optimizer, inner, milestones)
+
+        return make
+
+    def trainer_with(count: int) -> Trainer:
+        torch.manual_seed(0)
+        return Trainer(
+            nn.Linear(4, 2),
+            SGD,
+            step,
+            lr_scheduler=sequential(count),
+            devices=cpu_devices(2),
+            progress_bar=False,
+        )
+
+    donor = trainer_with(2)
+    await donor.fit(batches(), epochs=1)
+    with pytest.raises(CheckpointError, match="it holds 2 schedulers, this trainer's 3"):
+        trainer_with(3).load_state_dict(donor.state_dict())
+
+
 def migrating_sgd(params: Any) -> torch.optim.Optimizer:
     """SGD with momentum whose load gives a state saved without momentum this run's."""
 
