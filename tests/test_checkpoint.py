@@ -34,6 +34,7 @@ from asyncddp import (
 pytestmark = pytest.mark.anyio
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+ADAM = functools.partial(torch.optim.Adam, lr=0.01)
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -47,10 +48,19 @@ def step(model: nn.Module, batch: Batch) -> torch.Tensor:
     return F.mse_loss(model(batch[0]), batch[1])
 
 
-def make_trainer(devices: int, out_features: int = 2) -> Trainer:
+def make_trainer(
+    devices: int,
+    out_features: int = 2,
+    *,
+    model: Callable[[], nn.Module] | None = None,
+    optimizer: Any = SGD,
+    **options: Any,
+) -> Trainer:
     torch.manual_seed(0)
-    model = nn.Linear(4, out_features)
-    return Trainer(model, SGD, step, devices=cpu_devices(devices), progress_bar=False)
+    module = model() if model is not None else nn.Linear(4, out_features)
+    return Trainer(
+        module, optimizer, step, devices=cpu_devices(devices), progress_bar=False, **options
+    )
 
 
 def what_it_holds(trainer: Trainer) -> dict[str, Any]:
@@ -325,9 +335,7 @@ async def test_sgd_s_state_into_an_adam_trainer_is_refused_and_nothing_of_it_is_
     # weights would have been taken.
     donor = make_trainer(2)
     await donor.fit(batches(), epochs=1)
-    torch.manual_seed(0)
-    adam = functools.partial(torch.optim.Adam, lr=0.01)
-    trainer = Trainer(nn.Linear(4, 2), adam, step, devices=cpu_devices(2), progress_bar=False)
+    trainer = make_trainer(2, optimizer=ADAM)
     if built:
         await trainer.fit(batches(), epochs=2)
     before = what_it_holds(trainer)
@@ -344,10 +352,6 @@ async def test_another_lr_scheduler_s_state_is_refused_and_nothing_of_it_is_take
 ) -> None:
     step_lr = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1)
 
-    def sequential(optimizer: torch.optim.Optimizer) -> Any:
-        first = torch.optim.lr_scheduler.ConstantLR(optimizer, factor=0.5, total_iters=1)
-        return torch.optim.lr_scheduler.SequentialLR(optimizer, [first, step_lr(optimizer)], [1])
-
     # SequentialLR's own load fails on StepLR's state; CosineAnnealingLR's takes it without a
     # word, and would go on with StepLR's settings beside its own; so does a SequentialLR's
     # inner scheduler, whose state its load applies as it is.
@@ -361,27 +365,16 @@ async def test_another_lr_scheduler_s_state_is_refused_and_nothing_of_it_is_take
         return make
 
     donor_scheduler = then(step_lr) if kind == "inside a sequential" else step_lr
-    scheduler = {"sequential": sequential, "cosine": cosine}.get(kind) or then(cosine)
+    scheduler = {"sequential": then(step_lr), "cosine": cosine}.get(kind) or then(cosine)
     message = {
         "sequential": "the state's LR scheduler does not load",
         "cosine": r"LR scheduler does not load .* it has no 'T_max', 'eta_min'",
         "inside a sequential": r"LR scheduler does not load .* it has no 'T_max', 'eta_min'",
     }[kind]
 
-    def trainer_with(scheduler: Any) -> Trainer:
-        torch.manual_seed(0)
-        return Trainer(
-            nn.Linear(4, 2),
-            SGD,
-            step,
-            lr_scheduler=scheduler,
-            devices=cpu_devices(2),
-            progress_bar=False,
-        )
-
-    donor = trainer_with(donor_scheduler)
+    donor = make_trainer(2, lr_scheduler=donor_scheduler)
     await donor.fit(batches(), epochs=1)
-    trainer = trainer_with(scheduler)
+    trainer = make_trainer(2, lr_scheduler=scheduler)
     if built:
         await trainer.fit(batches(), epochs=2)
     before = what_it_holds(trainer)
@@ -393,18 +386,13 @@ async def test_another_lr_scheduler_s_state_is_refused_and_nothing_of_it_is_take
 async def test_another_kind_of_optimizer_s_state_is_refused_after_a_layer_was_frozen() -> None:
     # The probe is built over the parameters the optimizer holds, not those that train now:
     # built over those, it was left out, and Adam's state was merged into SGD's groups.
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
-    trainer = Trainer(model, SGD, step, devices=cpu_devices(2), progress_bar=False)
+    def two_layers() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+
+    trainer = make_trainer(2, model=two_layers)
     await trainer.fit(batches(), epochs=1)
     trainer.model[0].requires_grad_(False)
-    adam = Trainer(
-        nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)),
-        functools.partial(torch.optim.Adam, lr=0.01),
-        step,
-        devices=cpu_devices(2),
-        progress_bar=False,
-    )
+    adam = make_trainer(2, model=two_layers, optimizer=ADAM)
     await adam.fit(batches(), epochs=1)
     before = what_it_holds(trainer)
     with pytest.raises(CheckpointError, match="saved with another kind of optimizer"):
@@ -421,21 +409,10 @@ async def test_a_sequential_lr_of_other_length_is_refused() -> None:
 
         return make
 
-    def trainer_with(count: int) -> Trainer:
-        torch.manual_seed(0)
-        return Trainer(
-            nn.Linear(4, 2),
-            SGD,
-            step,
-            lr_scheduler=sequential(count),
-            devices=cpu_devices(2),
-            progress_bar=False,
-        )
-
-    donor = trainer_with(2)
+    donor = make_trainer(2, lr_scheduler=sequential(2))
     await donor.fit(batches(), epochs=1)
     with pytest.raises(CheckpointError, match="it holds 2 schedulers, this trainer's 3"):
-        trainer_with(3).load_state_dict(donor.state_dict())
+        make_trainer(2, lr_scheduler=sequential(3)).load_state_dict(donor.state_dict())
 
 
 def migrating_sgd(params: Any) -> torch.optim.Optimizer:
@@ -459,10 +436,7 @@ async def test_what_the_optimizer_s_own_load_hooks_accept_loads(built: bool) -> 
     state = copy.deepcopy(donor.state_dict())
     for group in state["optimizer"]["param_groups"]:  # as a plain SGD's state, say
         del group["momentum"], group["dampening"]
-    torch.manual_seed(0)
-    trainer = Trainer(
-        nn.Linear(4, 2), migrating_sgd, step, devices=cpu_devices(2), progress_bar=False
-    )
+    trainer = make_trainer(2, optimizer=migrating_sgd)
     if built:
         await trainer.fit(batches(), epochs=1)
     trainer.load_state_dict(state)
@@ -480,16 +454,7 @@ async def test_a_state_saved_without_an_lr_scheduler_loads_into_a_trainer_with_o
     donor = make_trainer(2)
     await donor.fit(batches(), epochs=1)
     one_cycle = functools.partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=0.5, total_steps=100)
-    torch.manual_seed(0)
-    trainer = Trainer(
-        nn.Linear(4, 2),
-        SGD,
-        step,
-        lr_scheduler=one_cycle,
-        devices=cpu_devices(2),
-        lr_scheduler_interval="step",
-        progress_bar=False,
-    )
+    trainer = make_trainer(2, lr_scheduler=one_cycle, lr_scheduler_interval="step")
     if built:
         await trainer.fit(batches(), epochs=1)
     trainer.load_state_dict(donor.state_dict())
@@ -503,20 +468,8 @@ async def test_a_cyclic_lr_state_loads_into_every_device(tmp_path: Path) -> None
     def cyclic(optimizer: torch.optim.Optimizer) -> Any:
         return torch.optim.lr_scheduler.CyclicLR(optimizer, 0.01, 0.1, step_size_up=2)
 
-    def trainer() -> Trainer:
-        torch.manual_seed(0)
-        return Trainer(
-            nn.Linear(4, 2),
-            SGD,
-            step,
-            lr_scheduler=cyclic,
-            devices=cpu_devices(2),
-            checkpoint_dir=tmp_path,
-            progress_bar=False,
-        )
-
-    await trainer().fit(batches(), epochs=1)
-    resumed = trainer()
+    await make_trainer(2, lr_scheduler=cyclic, checkpoint_dir=tmp_path).fit(batches(), epochs=1)
+    resumed = make_trainer(2, lr_scheduler=cyclic, checkpoint_dir=tmp_path)
     await resumed.fit(batches(), epochs=2, resume="latest")
     lrs = [r.optimizer.param_groups[0]["lr"] for r in resumed._replicas]
     assert lrs[0] == lrs[1]
