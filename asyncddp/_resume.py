@@ -192,9 +192,11 @@ class Resumable(Epochs):
         if self.checkpoint_dir is None or (self._comm is not None and self._comm.rank != 0):
             return  # across ranks, rank 0 writes the checkpoints
         newest = await anyio.to_thread.run_sync(_checkpoint.latest_checkpoint, self.checkpoint_dir)
-        if newest is None or _checkpoint.position_of(newest) <= (self.epoch, self.global_step):
+        if newest is None:
             return
         epochs, steps = _checkpoint.position_of(newest)
+        if (epochs, steps) <= (self.epoch, self.global_step):
+            return
         warnings.warn(
             f"checkpoint_dir {str(self.checkpoint_dir)!r} holds a checkpoint further on than "
             f"this trainer ({newest.name}: {epochs} epochs and {steps} steps done), from "
