@@ -321,9 +321,12 @@ class Steps:
                 self._window += 1
             if not self._accumulates(window) and not self._distributed():
                 weights = [scale * n / total if total else 0.0 for n in counts]
-            elif not self._distributed():  # the step's item count is known only at its end
-                weights = [scale * n for n in counts]
-            else:  # ... and on every rank: over a reference count the ranks share
+            elif not self._distributed() and self._scaler is None:
+                weights = [float(n) for n in counts]  # the step's items are known at its end
+            else:
+                # Over a reference count: across ranks, one every rank shares; under a loss
+                # scale (fp16), as GradScaler's n / N, since a sum of items times the scale
+                # overflows fp16's gradients where the mean does not.
                 weights = [scale * n / window.ref for n in counts]
             per_item = scale / window.ref if self._per_item_weights(window) else None
             if opens:
@@ -361,13 +364,17 @@ class Steps:
 
     def _reference_count(self, items: int) -> float:
         """What a step's items are weighted against (see ``TrainWork.per_item``): the last
-        counted step's total, else this micro-step's items (across ranks, the last step's
-        global total, else 1: every rank must use the same). The reduced gradients are
+        counted step's total, else this micro-step's items times ``accumulate_grad_batches``
+        (the step's total, with even batches; across ranks, the last step's global total,
+        else 1: every rank must use the same). The reduced gradients are
         multiplied by this over the step's total, so across ranks a step as large as the last
         one (every step, with even data) skips that pass over the gradients."""
         if self._items_ref is not None:
             return self._items_ref
-        return 1.0 if self._distributed() else float(max(items, 1))
+        if self._distributed():
+            return 1.0
+        # An optimizer step of even batches holds this many items.
+        return float(max(items, 1) * self.accumulate_grad_batches)
 
     def _fusable(self, window: Window) -> bool:
         """The window's last micro-step, without loss scaling, runs as one job a device:
@@ -482,7 +489,7 @@ class Steps:
         if window.sums.counted and self._per_item_weights(window):
             scale = window.ref / window.sums.items
         elif self._accumulates(window):
-            scale = 1.0 / window.sums.items
+            scale = (1.0 if self._scaler is None else window.ref) / window.sums.items
         if self._scaler is not None:
             scale /= self._scaler.scale
         want_norm = self.gradient_clip_val is not None

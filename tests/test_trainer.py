@@ -445,6 +445,44 @@ async def test_fp16_skips_a_step_whose_gradients_overflow_as_grad_scaler_does(
     assert_replicas_identical(trainer)
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_fp16_with_accumulation_scales_as_grad_scaler_does(devices: int) -> None:
+    # Each micro-step's loss is weighted by its share of the optimizer step's items, as in the
+    # plain loop below: weighted by its item count instead (256 times GradScaler's), the fp16
+    # gradients overflowed at every step, and the trainer skipped all of them.
+    batches = make_batches([256] * 8)
+    model = make_model()
+    opt = SGD(model.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    for first in range(0, len(batches), 2):
+        window = batches[first : first + 2]
+        total = sum(len(targets) for _, targets in window)
+        opt.zero_grad()
+        for batch in window:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_step(model, batch) * len(batch[1]) / total
+            scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 2.0**16  # no step skipped
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(devices),
+        precision="fp16",
+        accumulate_grad_batches=2,
+        progress_bar=False,
+    )
+    result = await trainer.fit(batches, epochs=1)
+    assert result.global_step == 4
+    assert trainer._scaler is not None
+    assert trainer._scaler.scale == 2.0**16
+    # One device runs the loop's very ops; two add up halves' fp16 gradients instead.
+    assert_close(trainer.model, model, tol=1e-5 if devices == 1 else 1e-2)
+    assert_replicas_identical(trainer)
+
+
 class WithAnEmptyParameter(nn.Module):
     def __init__(self) -> None:
         super().__init__()
