@@ -8,7 +8,8 @@ strings); other leaves (numbers, strings, 0-dim tensors) are handed to every sha
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sized
+import copy
+from collections.abc import Iterable, Mapping, MutableMapping, Sized
 from typing import Any, cast
 
 import torch
@@ -151,7 +152,7 @@ def _slice(value: Any, start: int, stop: int, size: int) -> Any:
             "or give each device whole batches (split_batches=False)"
         )
     if isinstance(value, Mapping):
-        return type(value)({key: _slice(item, start, stop, size) for key, item in value.items()})  # type: ignore[call-arg]
+        return _same_mapping(value, {k: _slice(v, start, stop, size) for k, v in value.items()})
     if isinstance(value, (tuple, list)) and _per_item_text(value, size):
         return value[start:stop]
     if isinstance(value, tuple):
@@ -160,6 +161,20 @@ def _slice(value: Any, start: int, stop: int, size: int) -> Any:
     if isinstance(value, list):
         return [_slice(item, start, stop, size) for item in value]
     return value
+
+
+def _same_mapping(value: Mapping[Any, Any], items: dict[Any, Any]) -> Mapping[Any, Any]:
+    """A mapping like ``value`` (its type, and what else it holds: a ``defaultdict``'s
+    factory) with ``items``, as torch's ``pin_memory`` rebuilds one; a plain dict where the
+    type cannot be copied or built from a dict."""
+    try:
+        if isinstance(value, MutableMapping):
+            clone = copy.copy(value)
+            clone.update(items)
+            return clone
+        return type(value)(items)  # type: ignore[call-arg]
+    except TypeError:
+        return items
 
 
 def _per_item_text(value: list[Any] | tuple[Any, ...], size: int) -> bool:
@@ -177,8 +192,8 @@ def move_to(value: Any, device: torch.device, *, non_blocking: bool = False) -> 
     if isinstance(value, torch.Tensor):
         return value.to(device, non_blocking=non_blocking)
     if isinstance(value, Mapping):
-        return type(value)(  # type: ignore[call-arg]
-            {key: move_to(item, device, non_blocking=non_blocking) for key, item in value.items()}
+        return _same_mapping(
+            value, {k: move_to(v, device, non_blocking=non_blocking) for k, v in value.items()}
         )
     if isinstance(value, tuple):
         moved = [move_to(item, device, non_blocking=non_blocking) for item in value]
@@ -204,7 +219,7 @@ def pin(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.pin_memory() if value.device.type == "cpu" else value
     if isinstance(value, Mapping):
-        return type(value)({key: pin(item) for key, item in value.items()})  # type: ignore[call-arg]
+        return _same_mapping(value, {key: pin(item) for key, item in value.items()})
     if isinstance(value, tuple):
         pinned = [pin(item) for item in value]
         return type(value)(*pinned) if hasattr(value, "_fields") else tuple(pinned)

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
 
 import anyio
 import pytest
@@ -69,6 +70,44 @@ def test_a_sparse_coo_tensor_in_a_batch_is_split_and_other_sparse_layouts_are_re
         csr = dense.to_sparse_csr()  # torch's own warning
     with pytest.raises(DataError, match=r"layout torch.sparse_csr .*split_batches=False"):
         split_batch((torch.arange(5), csr), 2)
+
+
+class _FrozenMapping(Mapping):  # type: ignore[type-arg]
+    """A read-only mapping that cannot be built from a dict."""
+
+    def __init__(self, **items: object) -> None:
+        self._items = items
+
+    def __getitem__(self, key: str) -> object:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def test_mapping_batches_keep_their_type_where_it_can_be_rebuilt() -> None:
+    # A defaultdict (a collate_fn's) takes its factory first, not a dict: it is copied and
+    # updated, keeping the factory, as torch's pin_memory does; a mapping that can be neither
+    # copied and updated nor built from a dict becomes a plain dict.
+    from asyncddp._data import move_to, split_batch
+
+    batch = defaultdict(list, x=torch.arange(4), ids=["a", "b", "c", "d"])
+    shards = split_batch(batch, 2)
+    assert [type(shard) for shard in shards] == [defaultdict, defaultdict]
+    assert shards[1]["x"].tolist() == [2, 3]
+    assert shards[1]["ids"] == ["c", "d"]
+    assert shards[1].default_factory is list
+    assert batch["x"].tolist() == [0, 1, 2, 3]  # the batch itself is left as it was
+    moved = move_to(shards[0], torch.device("meta"))
+    assert type(moved) is defaultdict
+    assert moved["x"].device.type == "meta"
+    assert move_to(batch, torch.device("meta"))["missing"] == []
+    shards = split_batch(_FrozenMapping(x=torch.arange(4)), 2)
+    assert [type(shard) for shard in shards] == [dict, dict]
+    assert shards[1]["x"].tolist() == [2, 3]
 
 
 # -- where the data is read ----------------------------------------------------------------------
