@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import itertools
 import warnings
 from collections.abc import Callable, Mapping
@@ -309,6 +310,23 @@ def build_replica(
             "lr_scheduler makes one scheduler per replica from its optimizer, such as "
             "functools.partial(torch.optim.lr_scheduler.StepLR, step_size=10)",
         )
+    if scheduler is not None and (
+        isinstance(made, torch.optim.Optimizer)
+        or not all(callable(getattr(made, m, None)) for m in ("step", "state_dict"))
+        or getattr(made, "optimizer", opt) is not opt
+    ):
+        got = (
+            "the optimizer it was given"
+            if made is opt
+            else "a scheduler of another optimizer"
+            if hasattr(made, "step") and hasattr(made, "optimizer")
+            else _kind(made) + (" (a function without a return?)" if made is None else "")
+        )
+        raise ConfigurationError(
+            f"the lr_scheduler factory returned {got}, not an LR scheduler of that optimizer; "
+            "it makes one scheduler per replica from the optimizer it is given, such as "
+            "functools.partial(torch.optim.lr_scheduler.StepLR, step_size=10)"
+        )
     if isinstance(made, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ConfigurationError(
             "ReduceLROnPlateau steps on a metric, and a Trainer steps its LR scheduler without "
@@ -356,6 +374,13 @@ def loss_and_metrics(
             f"{', '.join(map(repr, output)) or 'none'}); put the loss "
             f"{'to train on' if training else 'to validate on'} under 'loss' (a scalar tensor, "
             "the mean over the shard's items), beside any further metrics"
+        )
+    elif inspect.iscoroutine(output):
+        output.close()  # never awaited: no "coroutine was never awaited" warning besides
+        raise StepOutputError(
+            f"{step} returned a coroutine (is it async?); it runs on each device's worker "
+            "thread, outside the event loop, so it must be a plain function that returns the "
+            "loss"
         )
     else:
         raise StepOutputError(

@@ -225,12 +225,24 @@ class Trainer(Resumable):
         if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
             raise ConfigurationError(
                 "optimizer must be a factory that makes one optimizer per replica, for example "
-                "functools.partial(torch.optim.SGD, lr=0.1), not an optimizer instance"
+                "functools.partial(torch.optim.SGD, lr=0.1), not "
+                + (
+                    "an optimizer instance"
+                    if isinstance(optimizer, torch.optim.Optimizer)
+                    else f"{type(optimizer).__name__} {optimizer!r}"
+                )
             )
         if not callable(step):
             raise ConfigurationError("step must be a function step(model, batch) -> loss")
         if valid_step is not None and not callable(valid_step):
             raise ConfigurationError("valid_step must be a function valid_step(model, batch)")
+        for name, function in (("step", step), ("valid_step", valid_step)):
+            if inspect.iscoroutinefunction(function):
+                raise ConfigurationError(
+                    f"{name} is an async function; it runs on each device's worker thread, "
+                    "outside the event loop, so it must be a plain def (what you await is "
+                    "fit())"
+                )
         accumulate_grad_batches = check_int("accumulate_grad_batches", accumulate_grad_batches, 1)
         gradient_clip_val = check_positive("gradient_clip_val", gradient_clip_val)
         _check(

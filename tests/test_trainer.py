@@ -659,6 +659,15 @@ async def test_an_optimizer_factory_over_the_outer_model_is_refused() -> None:
         (torch.optim.LBFGS, None, "LBFGS cannot train here: it steps with a closure"),
         (torch.optim.SparseAdam, None, "SparseAdam cannot train here: it takes sparse"),
         (SGD, torch.optim.lr_scheduler.ReduceLROnPlateau, "ReduceLROnPlateau steps on a metric"),
+        # Both were taken without a word: no schedule at all, and the optimizer stepped again
+        # at each epoch's end as if it were the scheduler.
+        (SGD, lambda opt: None, r"returned None \(a function without a return\?\), not an LR"),
+        (SGD, lambda opt: opt, "returned the optimizer it was given, not an LR scheduler"),
+        (
+            SGD,
+            lambda opt: torch.optim.lr_scheduler.StepLR(SGD(make_model().parameters()), 1),
+            "returned a scheduler of another optimizer",
+        ),
     ],
 )
 async def test_an_optimizer_or_scheduler_that_cannot_train_here_is_refused_before_any_step(
@@ -680,6 +689,33 @@ async def test_an_optimizer_or_scheduler_that_cannot_train_here_is_refused_befor
     with pytest.raises(asyncddp.ConfigurationError, match=expected):
         await trainer.fit(make_batches([4, 4]), epochs=1)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+async def test_an_async_step_is_refused_with_what_to_do() -> None:
+    # An async def step returned a coroutine on the worker thread: "the step returned a
+    # coroutine", and Python's "coroutine ... was never awaited" warning besides.
+    async def step(model: nn.Module, batch: Any) -> torch.Tensor:
+        return loss_step(model, batch)
+
+    for option in ("step", "valid_step"):
+        steps = {"step": step} if option == "step" else {"step": loss_step, "valid_step": step}
+        with pytest.raises(ConfigurationError, match=f"^{option} is an async function; .*plain"):
+            Trainer(make_model(), SGD, **steps, progress_bar=False)  # type: ignore[arg-type]
+
+    class AsyncCall:  # not a coroutine function itself: its calls return coroutines
+        async def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+            return loss_step(model, batch)
+
+    trainer = Trainer(make_model(), SGD, AsyncCall(), devices=cpu_devices(2), progress_bar=False)
+    with pytest.raises(StepOutputError, match=r"returned a coroutine \(is it async\?\)"):
+        await trainer.fit(make_batches([4]), epochs=1)
+
+
+def test_an_optimizer_that_is_not_a_factory_is_named_in_the_error() -> None:
+    with pytest.raises(ConfigurationError, match="not an optimizer instance"):
+        Trainer(make_model(), SGD(make_model().parameters()), loss_step)
+    with pytest.raises(ConfigurationError, match=r"lr=0.1\), not str 'adam'$"):
+        Trainer(make_model(), "adam", loss_step)  # type: ignore[arg-type]
 
 
 async def test_fit_again_continues_training() -> None:
