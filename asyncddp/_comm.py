@@ -13,8 +13,9 @@ the step's loss and the validation metrics exact; ``active`` counts the ranks th
 active); ``failed`` counts the ranks that are raising; ``stop`` the ranks where ``stop()`` was
 called; ``counted`` the ranks whose item counts came from their step (its ``"items"``);
 ``used[p]`` how many ranks gave parameter ``p`` a gradient; each metric's ``reported``
-how many ranks reported it in this exchange (the registry of names is shared by training and
-validation: an exchange's figures hold only the metrics some rank reported in it).
+the items behind its sum, those of the shards that reported it (the registry of names is
+shared by training and validation: an exchange's figures hold only the metrics some rank
+reported, over some item, in it).
 
 A step's gradient buckets are all-reduced *with* its header, all started at once, so the header
 costs no round trip of its own; ``buckets`` counts the ranks that sent them. A rank that sent a
@@ -51,7 +52,7 @@ import json
 import math
 import pickle
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,6 +161,7 @@ class Global:
     counted: int = 0  # the ranks whose items are counts their step gave ("items")
     used: list[bool] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    metric_items: dict[str, int] = field(default_factory=dict)  # the items behind each
 
     @property
     def unused(self) -> tuple[int, ...]:
@@ -286,6 +288,7 @@ class Comm:
         items: int = 0,
         loss: float = 0.0,
         metrics: dict[str, float] | None = None,
+        metric_items: Mapping[str, int] | None = None,
         active: bool = False,
         stop: bool = False,
         used: Sequence[bool] | None = None,
@@ -305,9 +308,14 @@ class Comm:
         failure in it is for the caller to keep and raise once they are done. If it raises
         anyway, the all-reduces are waited for before its error goes on.
         """
-        metrics = metrics or {}
-        new = [name for name in metrics if name not in self.names]
-        row = self._fill(kind, items, loss, metrics, active, stop, used, failed=False, new=new)
+        counts = metric_items or {}
+        # Each metric's (sum, the items behind it): every item, unless told otherwise.
+        pairs = {
+            name: (float(value), float(counts.get(name, items)))
+            for name, value in (metrics or {}).items()
+        }
+        new = [name for name in pairs if name not in self.names]
+        row = self._fill(kind, items, loss, pairs, active, stop, used, failed=False, new=new)
         row[_BUCKETS] = float(bool(buckets))  # sent with the header
         row[_COUNTED] = float(counted)
         size = len(row)
@@ -333,9 +341,9 @@ class Comm:
                 "every rank must call fit() with the same arguments"
             )
         if row[_NEW] > 0:
-            row += self._register(new, metrics)
+            row += self._register(new, pairs)
         n = self.params if self._agreed else 0
-        pairs = row[_FIXED + n :]
+        sums = row[_FIXED + n :]
         return Global(
             items=round(row[_ITEMS]),
             loss=row[_LOSS],
@@ -343,8 +351,11 @@ class Comm:
             stop=round(row[_STOP]),
             counted=round(row[_COUNTED]),
             used=[v > 0 for v in row[_FIXED : _FIXED + n]],
-            metrics={
-                name: pairs[2 * i] for i, name in enumerate(self.names) if pairs[2 * i + 1] > 0
+            metrics={name: sums[2 * i] for i, name in enumerate(self.names) if sums[2 * i + 1] > 0},
+            metric_items={
+                name: round(sums[2 * i + 1])
+                for i, name in enumerate(self.names)
+                if sums[2 * i + 1] > 0
             },
         )
 
@@ -381,7 +392,7 @@ class Comm:
         kind: int,
         items: int,
         loss: float,
-        metrics: dict[str, float],
+        metrics: Mapping[str, tuple[float, float]],
         active: bool,
         stop: bool,
         used: Sequence[bool] | None,
@@ -397,12 +408,11 @@ class Comm:
             return row
         row += [float(u) for u in used] if used is not None else [0.0] * self.params
         for name in self.names:
-            reported = name in metrics
-            row += [float(metrics[name]) if reported else 0.0, float(reported)]
+            row += metrics.get(name, (0.0, 0.0))
         return row
 
-    def _register(self, new: list[str], metrics: dict[str, float]) -> list[float]:
-        """Add the metric names some rank saw first; returns their (sum, reported) pairs for
+    def _register(self, new: list[str], metrics: Mapping[str, tuple[float, float]]) -> list[float]:
+        """Add the metric names some rank saw first; returns their (sum, items) pairs for
         this exchange."""
         gathered: list[Any] = [None] * self.world_size
         try:
@@ -411,7 +421,7 @@ class Comm:
             raise self.lost(error) from error
         added = sorted({name for names in gathered for name in names} - set(self.names))
         extra = torch.tensor(
-            [v for name in added for v in (metrics.get(name, 0.0), float(name in metrics))],
+            [v for name in added for v in metrics.get(name, (0.0, 0.0))],
             dtype=torch.float64,
         )
         if added:

@@ -246,6 +246,7 @@ class DistributedSteps(Steps):
                 items=sums.items,
                 loss=sums.loss,
                 metrics=sums.metrics,
+                metric_items={name: sums.item_count(name) for name in sums.metrics},
                 active=active,
                 stop=stop,
                 counted=sums.counted,
@@ -298,6 +299,7 @@ class DistributedSteps(Steps):
             dict(result.metrics),
             sum(1 << i for i, used in enumerate(result.used) if used),
             result.counted > 0,
+            dict(result.metric_items),
         )
         self._agree_on_stop(result)
 

@@ -387,7 +387,7 @@ class Epochs(DistributedSteps):
                 loss,
                 items,
                 progress,
-                {k: v / items for k, v in window.sums.metrics.items()},
+                window.sums.means(),
                 lr,
             )
         )
@@ -398,7 +398,7 @@ class Epochs(DistributedSteps):
         return EpochRecord(
             epoch,
             sums.loss / items,
-            {k: v / items for k, v in sums.metrics.items()},
+            sums.means(),
             None,
             sums.items,
             self._epoch_seconds,
@@ -466,11 +466,17 @@ class Epochs(DistributedSteps):
                     f"the validation step returned 'items' on {result.counted} of the "
                     f"{result.active} processes with data; return it always, or never"
                 )
-            totals = Sums(result.items, result.loss, dict(result.metrics), counted=totals.counted)
+            totals = Sums(
+                result.items,
+                result.loss,
+                dict(result.metrics),
+                counted=totals.counted,
+                metric_items=dict(result.metric_items),
+            )
         items = totals.items  # the shards' sizes, or the counts the step gave ("items")
         if items == 0:
             raise no_batches(name, data, training=False, counted=totals.counted)
-        metrics = {"loss": totals.loss / items, **{k: v / items for k, v in totals.metrics.items()}}
+        metrics = {"loss": totals.loss / items, **totals.means()}
         _log.info("validation: %s over %d items", _format(metrics), items)
         self._hub.publish(ValidationEnded(epoch, dict(metrics), items))
         return metrics

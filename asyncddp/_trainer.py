@@ -135,7 +135,8 @@ class Trainer(Resumable):
         optimizer: A factory ``params -> Optimizer``, called once per replica, for example
             ``functools.partial(torch.optim.AdamW, lr=1e-3)``.
         step: ``step(model, batch) -> loss``, the loss a scalar tensor, the mean over the
-            batch's items; or a dict with ``"loss"`` and further metrics (scalar means), and
+            batch's items; or a dict with ``"loss"`` and further metrics (scalar means; one
+            returned on some shards only is averaged over theirs), and
             optionally ``"items"``: how many items the loss is the mean over when they are not
             the batch's entries (valid tokens, say); the devices are then weighted by it.
         devices: Anything `resolve_devices` accepts; ``"auto"`` is every GPU, or the CPU.

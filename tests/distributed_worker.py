@@ -120,6 +120,20 @@ def valid_step(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     }
 
 
+def rank_0_metric_step(model: torch.nn.Module, batch: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"loss": step(model, batch)["loss"]}
+    if torch.distributed.get_rank() == 0:
+        out["rank_0"] = 1.0
+    return out
+
+
+def rank_1_metric_step(model: torch.nn.Module, batch: Any) -> dict[str, Any]:
+    out = valid_step(model, batch)
+    if torch.distributed.get_rank() == 1:
+        out["rank_1"] = 2.0
+    return out
+
+
 def trainer(
     devices: int,
     step: Any = step,
@@ -441,6 +455,12 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         report["history"] = [
             (dict(r.train_metrics), dict(r.valid_metrics or {})) for r in result.history
         ]
+        report["validate"] = await t.validate(batches(5, 10))
+    elif scenario == "partial-metrics":  # a metric that one rank's steps return, not the other's
+        t = trainer(1, step=rank_0_metric_step, valid_step=rank_1_metric_step)
+        result = await t.fit(batches(), epochs=1, valid_data=batches(5, 10))
+        record = result.history[0]
+        report["history"] = (dict(record.train_metrics), dict(record.valid_metrics or {}))
         report["validate"] = await t.validate(batches(5, 10))
     elif scenario.startswith("batchnorm"):  # batchnorm1, batchnorm2: devices per rank
         t = batchnorm_trainer(int(scenario[-1]))

@@ -688,6 +688,17 @@ def test_metrics_are_those_each_phase_reported(tmp_path: Path, exchange: str) ->
         assert report["validate"] == pytest.approx(metrics, abs=1e-6)
 
 
+def test_a_metric_some_ranks_return_is_its_mean_over_their_items(tmp_path: Path) -> None:
+    # Divided by every rank's items, it was 0.5 where it was 1.0 wherever it was returned.
+    first, second = both_reports("partial-metrics", tmp_path)
+    for report in (first, second):
+        train, valid = report["history"]
+        assert train == {"rank_0": 1.0}
+        assert valid["rank_1"] == 2.0
+        assert report["validate"]["rank_1"] == 2.0
+        assert report["validate"]["error"] == pytest.approx(valid["error"])
+
+
 @pytest.mark.parametrize("devices", [1, 2], ids=["1-device-per-rank", "2-devices-per-rank"])
 def test_every_rank_takes_rank_0s_batchnorm_statistics(tmp_path: Path, devices: int) -> None:
     # As DDP's broadcast_buffers: each rank's forwards update its own statistics, on its own

@@ -509,6 +509,37 @@ async def test_fp16_checks_gradients_of_a_parameter_of_size_0(devices: int) -> N
     assert_replicas_identical(trainer)
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_a_metric_returned_on_some_shards_is_its_mean_over_their_items(
+    devices: int,
+) -> None:
+    # "first" is returned by the shards that hold class-0 items (on two devices, the first
+    # half of each batch), "later" by the second batch's steps only. Divided by every item,
+    # they were 0.5 on two devices (1.0 on one) and 0.6 (not 3.0).
+    def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
+        out: dict[str, Any] = {"loss": loss_step(model, batch)}
+        if (batch[1] == 0).any():
+            out["first"] = 1.0
+        if len(batch[1]) in (6, 3):  # the second batch, whole or split
+            out["later"] = 3.0
+        return out
+
+    inputs = torch.randn(10, FEATURES)
+    targets = torch.tensor([0, 0, 1, 1, 0, 0, 0, 1, 1, 1])
+    batches = [(inputs[:4], targets[:4]), (inputs[4:], targets[4:])]
+    trainer = Trainer(make_model(), SGD, step, devices=cpu_devices(devices), progress_bar=False)
+    stream = trainer.events()
+    result = await trainer.fit(batches, epochs=1)
+    assert dict(result.history[0].train_metrics) == {"first": 1.0, "later": 3.0}
+    steps = [event async for event in stream if isinstance(event, StepEnded)]
+    assert [dict(event.metrics) for event in steps] == [
+        {"first": 1.0},
+        {"first": 1.0, "later": 3.0},
+    ]
+    metrics = await trainer.validate(batches)
+    assert (metrics["first"], metrics["later"]) == (1.0, 3.0)
+
+
 async def test_validate_averages_exactly_over_items() -> None:
     batches = make_batches([5, 3, 1])
     model = make_model()
