@@ -228,15 +228,23 @@ def pin(value: Any) -> Any:
     return value
 
 
-def no_batches(name: str, data: object, *, training: bool, counted: bool = False) -> DataError:
+def no_batches(
+    name: str, data: object, *, training: bool, counted: bool = False, batches: bool = False
+) -> DataError:
     """The error for data that yielded nothing to train or validate on, with the likely cause:
-    a ``DataLoader`` whose ``drop_last`` dropped its only, short batch."""
-    message = (
-        f"{name} yielded no batches; give at least one batch per epoch"
-        if training
-        else f"{name} yielded no items; give at least one batch"
-        + (" (the step's 'items' were all 0)" if counted else "")
-    )
+    a ``DataLoader`` whose ``drop_last`` dropped its only, short batch. ``batches``: training
+    got batches (on some rank), but no item in them."""
+    why = " (the step's 'items' were all 0)" if counted else ""
+    if training and batches:
+        message = (
+            f"{name}'s batches held no items in this epoch{why or ' (every batch empty)'}, "
+            "so no optimizer step was taken; give at least one item per epoch"
+        )
+    elif training:
+        message = f"{name} yielded no batches; give at least one batch per epoch"
+    else:
+        message = f"{name} yielded no items; give at least one batch{why}"
+
     if isinstance(data, torch.utils.data.DataLoader) and data.drop_last:
         dataset = data.dataset
         size = len(dataset) if isinstance(dataset, Sized) else None

@@ -299,8 +299,14 @@ class Epochs(DistributedSteps):
             return False
         self._loader_rng = _checkpoint.capture_loader_rng(data)  # for a checkpoint from here
         sums = self._epoch_sums  # across ranks: a rank may have no batch of its own
-        if (sums.items == 0 and not sums.counted) if self._distributed() else (seen == 0):
-            raise no_batches("train_data", data, training=True)
+        if sums.items == 0:  # no step taken: its loss would be a mean over nothing
+            raise no_batches(
+                "train_data",
+                data,
+                training=True,
+                counted=sums.counted,
+                batches=seen > 0 or self._distributed(),
+            )
         self._epoch_trained = True
         record = self._epoch_record(epoch)
         if not math.isfinite(record.train_loss) and not self.check_finite:

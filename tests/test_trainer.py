@@ -1435,12 +1435,24 @@ async def test_a_step_that_trains_a_model_from_outside_it_is_a_clear_error() -> 
         ([], "yielded no batches"),
         ([["a", "b"]], "at least one tensor with a batch dimension"),
         ([(torch.zeros(3, FEATURES), torch.zeros(2))], "share their size along dim 0"),
+        # fit returned an epoch of train_loss 0.0 from no step at all, and no word.
+        (make_batches([0, 0]), r"batches held no items in this epoch \(every batch empty\)"),
     ],
 )
 async def test_bad_data_is_a_clear_error(data: Any, message: str) -> None:
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
     with pytest.raises(DataError, match=message):
         await trainer.fit(data, epochs=1)
+
+
+async def test_an_epoch_whose_steps_count_no_item_is_a_clear_error() -> None:
+    def padding_only(model: nn.Module, batch: Any) -> dict[str, Any]:
+        return {"loss": loss_step(model, batch), "items": 0}
+
+    trainer = Trainer(make_model(), SGD, padding_only, progress_bar=False)
+    with pytest.raises(DataError, match=r"no items in this epoch \(the step's 'items' were all 0"):
+        await trainer.fit(make_batches([4, 4]), epochs=1)
+    assert trainer.global_step == 0
 
 
 @pytest.mark.parametrize("where", ["train_data", "valid_data", "validate"])
