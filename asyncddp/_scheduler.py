@@ -65,6 +65,13 @@ class StepResult(Generic[T]):
     step: int
 
 
+class JobQueuedError(WorkerFailedError):
+    """A shielded step's job (``run(shield=True)``) on a device whose worker is still in an
+    earlier job that outlived the wait for it (``drain_timeout`` or ``step_timeout``: a step
+    that hangs). The job stays queued and runs once that one returns; ``run`` waited for the
+    other devices' jobs only. ``__cause__`` is ``None``."""
+
+
 class _Step:
     """One step's shared state: written by the workers under ``lock``, read by the loop."""
 
@@ -73,6 +80,7 @@ class _Step:
         "failures",
         "finished",
         "lock",
+        "may_remain",
         "outputs",
         "queued",
         "remaining",
@@ -95,6 +103,9 @@ class _Step:
         # Jobs not started yet, by device index: a cancel empties them at once, so that a job
         # stuck in a queue behind a busy worker does not hold the caller's shard meanwhile.
         self.queued: dict[int, _Job] = {}
+        # A shielded step waits for no job of a worker still in one that outlived a wait
+        # (see StepScheduler._busy): its waiter is woken once no more than these remain.
+        self.may_remain = 0
 
     def cancel(self) -> None:
         """Drop the jobs that have not started yet, and any output (nobody will read it)."""
@@ -121,6 +132,11 @@ class _Step:
     def all_done(self) -> bool:
         with self.lock:
             return self.remaining == 0
+
+    def done_but(self, busy: set[int]) -> bool:
+        """Whether every job is done but those of ``busy`` workers."""
+        with self.lock:
+            return all(done or i in busy for i, done in enumerate(self.finished))
 
     def idle(self) -> bool:
         with self.lock:
@@ -191,7 +207,7 @@ class _Job:
             else:
                 step.failures.append((self.index, value))
             wake = (
-                step.remaining == 0
+                step.remaining <= step.may_remain
                 or (not ok and len(step.failures) == 1 and not step.shielded)
                 or (step.cancelled and step.running == 0)
             )
@@ -258,6 +274,9 @@ class StepScheduler:
         self._workers: tuple[DeviceWorker, ...] = ()
         # Worker threads closing left behind, still in a job (see _close_workers).
         self._left_behind: list[threading.Thread] = []
+        # By worker index: the ``finished`` flags of a step whose job there outlived a wait
+        # for it (drain_timeout, step_timeout): see _busy.
+        self._outlived: dict[int, list[bool]] = {}
         self._state = "new"
         self._next_step = 0
         self._tracker = ProgressTracker(len(self.devices))
@@ -424,7 +443,11 @@ class StepScheduler:
             phase: What the step does, for errors (``"train"``, ``"valid"``, ...).
             shield: Run every job of the step to its end, whatever happens: no job is dropped
                 after a failure or a cancellation (``step_timeout`` still applies). For steps
-                that must happen on every device or on none, such as an optimizer step.
+                that must happen on every device or on none, such as an optimizer step. A
+                device whose worker is still in an earlier job that outlived the wait for it
+                (``drain_timeout`` or ``step_timeout``: it hangs) is not waited for: its job
+                stays queued, to run once that one returns, and the call raises
+                `WorkerFailedError` for it once the others' jobs are done.
             on_cancel: Called on the event loop when the step is given up (a job failed, the
                 call was cancelled, or a job timed out), once the jobs not yet started are
                 dropped and before the running ones are awaited: for jobs that wait for each
@@ -460,11 +483,16 @@ class StepScheduler:
         self._next_step += 1
         waker = current_waker()
         deadline = None if self.step_timeout is None else time.monotonic() + self.step_timeout
+        busy = self._busy() if shield else set()
         state = self._dispatch(waker, fn, shards, number, phase, shield=shield)
+        state.may_remain = len(busy)
         cancellation: BaseException | None = None
+        queued = False  # jobs left queued behind hung ones, to run once those return
         if shield:
-            cancellation = await self._wait_all_shielded(state, waker, deadline)
+            cancellation = await self._wait_all_shielded(state, waker, deadline, busy)
             settled = state.settled()
+            if not settled and state.done_but(busy):
+                settled = queued = True
         else:
             try:
                 settled = await self._wait_settled(state, waker, deadline)
@@ -494,6 +522,8 @@ class StepScheduler:
                 error = cancellation
         elif cancellation is not None:
             error = cancellation
+        elif queued:
+            error = self._queued_error(state, busy, number, epoch, phase)
         state.forget_jobs()
         if error is None:
             return StepResult(
@@ -542,11 +572,12 @@ class StepScheduler:
 
     @staticmethod
     async def _wait_all_shielded(
-        state: _Step, waker: Waker, deadline: float | None
+        state: _Step, waker: Waker, deadline: float | None, busy: set[int]
     ) -> BaseException | None:
-        """Wait, shielded, for every job; returns a cancellation that came meanwhile."""
+        """Wait, shielded, for every job but those of ``busy`` workers (see `_busy`);
+        returns a cancellation that came meanwhile."""
         cancellation: BaseException | None = None
-        while not state.all_done():
+        while not state.done_but(busy):
             woken, cancelled = await waker.wait_shielded(deadline)
             cancellation = cancellation or cancelled
             if not woken:
@@ -561,8 +592,49 @@ class StepScheduler:
             woken, cancelled = await waker.wait_shielded(deadline)
             cancellation = cancellation or cancelled
             if not woken:
+                self._outlive(state)
                 break
         return cancellation
+
+    def _outlive(self, state: _Step) -> None:
+        """Note the workers whose job in ``state`` outlived the wait for it."""
+        with state.lock:
+            for index, done in enumerate(state.finished):
+                if not done:
+                    self._outlived[index] = state.finished
+
+    def _busy(self) -> set[int]:
+        """The workers still in a job that outlived a wait for it (a hung step): a shielded
+        step queues its job there, to run once that one returns, but waits only for the
+        others. (Closing waits for them once more, up to ``drain_timeout``: a slow job that
+        returns meanwhile leaves no thread behind.)"""
+        for index, finished in list(self._outlived.items()):
+            if finished[index]:
+                del self._outlived[index]
+        return set(self._outlived)
+
+    def _queued_error(
+        self, state: _Step, busy: set[int], number: int, epoch: int | None, phase: str | None
+    ) -> WorkerFailedError:
+        """A shielded step's jobs left queued behind a hung job: `JobQueuedError`."""
+        with state.lock:
+            late = [i for i in sorted(busy) if not state.finished[i]]
+        errors = [
+            JobQueuedError(
+                device=self.devices[index],
+                step=number,
+                epoch=epoch,
+                phase=phase,
+                error_type="",
+                error_message=(
+                    "its worker is still in an earlier job that outlived the wait for it; "
+                    "this job runs once that one returns"
+                ),
+            )
+            for index in late
+        ]
+        errors[0].other_failures = tuple(errors[1:])
+        return errors[0]
 
     def _failure_error(
         self, state: _Step, number: int, epoch: int | None, phase: str | None
@@ -592,6 +664,8 @@ class StepScheduler:
                 return None  # it settled after the wait gave up: report what happened
             state.cancel_locked()
             late = [index for index, done in enumerate(state.finished) if not done]
+            for index in late:
+                self._outlived[index] = state.finished
         assert self.step_timeout is not None
         errors = [
             WorkerTimeoutError(

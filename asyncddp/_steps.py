@@ -52,7 +52,7 @@ from ._jobs import (
 )
 from ._precision import LossScaler
 from ._replica import Replica, check_rebuilt, lives_on, move_to
-from ._scheduler import StepScheduler
+from ._scheduler import JobQueuedError, StepScheduler
 from ._sync import clip_coefficient
 from ._worker import WorkerContext
 
@@ -297,7 +297,15 @@ class Steps:
                 self._jobs().abandon, (apply_id, self._window), phase="abandon", shield=True
             )
         except WorkerFailedError as error:
-            return {error.device.name, *(f.device.name for f in error.other_failures)}
+            failed = {
+                failure.device.name
+                for failure in (error, *error.other_failures)
+                # Queued behind a hung job, the undo runs once it returns, before the worker's
+                # thread exits (no later call starts before: see Trainer._stragglers).
+                if not isinstance(failure, JobQueuedError)
+            }
+            if failed:
+                return failed
         self._window_open = False
         return set()
 

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 import pytest
 import torch
 import torch.nn.functional as F
@@ -317,6 +318,74 @@ async def test_a_job_left_behind_by_a_timeout_blocks_the_next_call_until_it_retu
     assert trainer.global_step == STEPS
     assert_params(trainer, plain_loop([[b] for b in batches]))
     TRIED.append("hang past the drain, left behind/middle/1 of 2")
+
+
+@pytest.mark.parametrize(
+    ("devices", "ends_by"), [(1, "cancel"), (2, "cancel"), (2, "failure on another device")]
+)
+async def test_a_hung_step_holds_a_cancellation_or_a_failure_up_to_drain_timeout_only(
+    devices: int, ends_by: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 2 hangs on the last device. The step's undo, queued behind the hung job (a job
+    run on every device), was waited for without a limit: a cancelled fit, or one whose other
+    device failed, returned only once the hung job did, however long after drain_timeout.
+    Now the undo stays queued, to run once the hung job returns, and the call ends after
+    drain_timeout; the next call waits for the thread, then trains on exactly."""
+    batches = make_batches(STEPS)
+    hung, release, returned = threading.Event(), threading.Event(), threading.Event()
+    last = f"cpu#{devices - 1}"
+
+    def hangs_once(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        ctx = asyncddp.current_worker()
+        assert ctx is not None
+        if ctx.step == 2 and not release.is_set():
+            if ctx.device.name == last:
+                hung.set()
+                release.wait(timeout=30.0)
+                returned.set()
+            elif ends_by != "cancel":
+                assert hung.wait(timeout=10.0)
+                raise RuntimeError("cpu#0 broke")
+        return step(model, batch)
+
+    trainer = Trainer(
+        make_model(), SGD, hangs_once, devices=cpu_devices(devices), progress_bar=False
+    )
+    new_scheduler = trainer._new_scheduler
+
+    def drains_briefly() -> asyncddp.StepScheduler:
+        scheduler = new_scheduler()
+        scheduler.drain_timeout = 0.5
+        return scheduler
+
+    monkeypatch.setattr(trainer, "_new_scheduler", drains_briefly)
+
+    async def fit_until_hung_then_end() -> None:
+        async def fit() -> None:
+            if ends_by == "cancel":
+                await trainer.fit(batches, epochs=1)
+            with pytest.raises(WorkerFailedError, match="cpu#0 broke"):
+                await trainer.fit(batches, epochs=1)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(fit)
+            await anyio.to_thread.run_sync(hung.wait, 10.0)
+            if ends_by == "cancel":
+                group.cancel_scope.cancel()
+
+    try:
+        with pytest.warns(RuntimeWarning, match=rf"asyncddp-worker\[{last}\].*left behind"):
+            await fit_until_hung_then_end()
+        assert not returned.is_set(), "the call waited for the hung job"
+        assert trainer.global_step == 2
+    finally:
+        release.set()
+    for thread in trainer._stragglers:
+        thread.join(timeout=30.0)
+    await trainer.fit(batches, epochs=1)
+    assert trainer.global_step == STEPS
+    assert_params(trainer, plain_loop([[b] for b in batches]))
+    TRIED.append(f"hang, then {ends_by}/middle/1 of {devices}")
 
 
 async def test_keyboard_interrupt_in_a_worker_reaches_the_caller() -> None:

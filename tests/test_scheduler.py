@@ -550,6 +550,41 @@ async def test_waiting_for_stream_work_left_running_can_be_cancelled() -> None:
         stream.done.set()
 
 
+async def test_a_shielded_step_after_a_hung_job_waits_for_the_other_devices_only() -> None:
+    # Its job on the hung worker waited behind the hung one with no limit (an undo after a
+    # cancelled fit: the fit returned only when the hung job did). Now it stays queued, runs
+    # once the hung job returns, and the call raises for that device once the others are done.
+    release, ran = threading.Event(), []
+
+    def hangs_on_1(ctx: WorkerContext, shard: None) -> None:
+        if ctx.device.index == 1:
+            release.wait(30)
+
+    def records(ctx: WorkerContext, shard: None) -> None:
+        ran.append(ctx.device.index)
+
+    scheduler = StepScheduler(cpu_devices(2), drain_timeout=0.1)
+
+    async def cancel_then_shield() -> None:
+        async with scheduler:
+            with anyio.move_on_after(0.2):
+                await scheduler.run(hangs_on_1, [None, None])
+            with pytest.raises(WorkerFailedError, match=r"cpu#1.*runs once that one") as caught:
+                await scheduler.run(records, [None, None], shield=True)
+            assert caught.value.device.name == "cpu#1"
+            assert ran == [0]
+            assert not release.is_set()
+
+    try:
+        with pytest.warns(RuntimeWarning, match=r"asyncddp-worker\[cpu#1\].*left behind"):
+            await cancel_then_shield()
+    finally:
+        release.set()
+    for thread in scheduler._left_behind:
+        thread.join(30)
+    assert ran == [0, 1]  # the queued job ran once the hung one returned
+
+
 # -- regressions found in review -------------------------------------------------------------
 
 
