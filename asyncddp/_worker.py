@@ -144,6 +144,28 @@ def _cpu_worker_slice() -> float | None:
     return _sched.WORKER_SLICE_MS
 
 
+def _set_own_threads(threads: int, callers: int) -> None:
+    """``torch.set_num_threads(threads)`` for this thread alone.
+
+    torch keeps the count last set in a global, besides the calling thread's own, and a thread
+    takes the global as its own when it first asks for its count (its first parallel op, or
+    ``torch.get_num_threads()``). Left at this worker's share, every thread started later
+    would run with it: a thread pool's, an event loop's in a thread, a sync endpoint's. So this
+    thread sets its count, takes it as its own, sets it again (another worker may have set the
+    global in between), and a thread of no other use puts the starting thread's count back in
+    the global (after every worker's set, since each puts it back after its own).
+    """
+    torch.set_num_threads(threads)
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
+    if callers > 0:
+        restore = threading.Thread(
+            target=torch.set_num_threads, args=(callers,), name="asyncddp-threads", daemon=True
+        )
+        restore.start()
+        restore.join()
+
+
 class DeviceWorker:
     """A thread that runs one device's jobs, in order.
 
@@ -171,6 +193,7 @@ class DeviceWorker:
             target=self._main, name=f"asyncddp-worker[{device.name}]", daemon=True
         )
         self._slice_ms: float | None = None  # the scheduler slice to ask for (see start)
+        self._callers_threads = 0  # the starting thread's torch.get_num_threads() (see start)
 
     @property
     def thread(self) -> threading.Thread:
@@ -181,6 +204,8 @@ class DeviceWorker:
         """Start the thread. It sets up its device (and stream) before its first job."""
         if self.device.type == "cpu":
             self._slice_ms = _cpu_worker_slice()
+        if self.threads is not None:
+            self._callers_threads = torch.get_num_threads()
         self._thread.start()
 
     def submit(self, job: Job) -> None:
@@ -237,8 +262,7 @@ class DeviceWorker:
             _sched.prefer_throughput(self._slice_ms)  # never raises
         try:
             if self.threads is not None:
-                # Per thread: the caller's setting is untouched.
-                torch.set_num_threads(self.threads)
+                _set_own_threads(self.threads, self._callers_threads)
             if self.device.is_cuda:
                 # The current device and the current stream are both per-thread: set them once.
                 torch.cuda.set_device(self.device.torch_device)

@@ -741,6 +741,33 @@ async def test_cpu_workers_share_the_callers_threads() -> None:
             StepScheduler(cpu_devices(1), threads_per_worker=wrong)  # type: ignore[arg-type]
 
 
+async def test_cpu_workers_leave_the_thread_count_of_threads_started_later_alone() -> None:
+    # torch keeps the count last set in a global that a new thread takes as its own: every
+    # thread started after a fit (a thread pool's, an event loop's) ran with a worker's share.
+    def threads(ctx: WorkerContext, shard: None) -> int:
+        return torch.get_num_threads()
+
+    def new_threads_count() -> int:
+        seen: list[int] = []
+        thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        return seen[0]
+
+    callers = torch.get_num_threads()
+    torch.set_num_threads(5)
+    try:
+        async with StepScheduler(cpu_devices(2), threads_per_worker=1) as scheduler:
+            first = await scheduler.run(threads, [None, None])
+            assert new_threads_count() == 5
+            again = await scheduler.run(threads, [None, None])
+        assert (first.outputs, again.outputs) == ((1, 1), (1, 1))
+        assert torch.get_num_threads() == 5
+        assert new_threads_count() == 5
+    finally:
+        torch.set_num_threads(callers)
+
+
 async def test_a_worker_that_cannot_set_up_fails_its_jobs_instead_of_hanging(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
