@@ -34,6 +34,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +89,9 @@ from ._steps import DeviceDroppedWarning
 __all__ = ["DeviceDroppedWarning", "EpochRecord", "FitResult", "Trainer"]
 
 _log = logging.getLogger("asyncddp")
+
+# The modules in a call (fit, validate, save_checkpoint) of some Trainer, and that trainer.
+_IN_CALL: weakref.WeakKeyDictionary[nn.Module, Trainer] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -714,6 +718,15 @@ class Trainer(Resumable):
                 "(atomic_steps=False); call load_state_dict() with a state saved after a step "
                 "(state_dict() or a checkpoint) first"
             )
+        other = _IN_CALL.get(self._source)
+        if other is not None and other is not self:
+            raise ConfigurationError(
+                f"this trainer's model is in a {other._session_kind} of another Trainer: "
+                "trainers given one module train that one module, and at once they would "
+                "write into each other's steps. Give each trainer its own copy "
+                "(copy.deepcopy(model)), or await the other call first"
+            )
+        _IN_CALL[self._source] = self
         self._session_kind = kind
         self._session_done = anyio.Event()
         ended = False
@@ -726,6 +739,7 @@ class Trainer(Resumable):
         except BaseException:
             self._session_kind = None  # no session after all: nobody waits for its end
             self._session_done.set()
+            _IN_CALL.pop(self._source, None)
             raise
         self._scheduler = scheduler
         try:
@@ -769,6 +783,7 @@ class Trainer(Resumable):
             finally:
                 self._session_kind = None
                 self._session_done.set()
+                _IN_CALL.pop(self._source, None)
 
     async def _finish_streams(self, scheduler: StepScheduler) -> None:
         """Wait for the kernels a lone GPU's last step left running (see

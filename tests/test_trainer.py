@@ -749,6 +749,33 @@ def test_an_optimizer_that_is_not_a_factory_is_named_in_the_error() -> None:
         Trainer(make_model(), "adam", loss_step)  # type: ignore[arg-type]
 
 
+async def test_two_trainers_given_one_module_are_refused_a_call_at_the_same_time() -> None:
+    # They both trained into it at once, and each ended with replicas that differed.
+    model = make_model()
+    first = Trainer(model, SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    second = Trainer(model, SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    outcomes: dict[str, Any] = {}
+
+    async def fit(name: str, trainer: Trainer) -> None:
+        try:
+            outcomes[name] = await trainer.fit(make_batches([4] * 6), epochs=1)
+        except ConfigurationError as error:
+            outcomes[name] = error
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(fit, "first", first)
+        group.start_soon(fit, "second", second)
+    refused = [name for name, outcome in outcomes.items() if isinstance(outcome, Exception)]
+    assert len(refused) == 1  # whichever started second
+    error = outcomes[refused[0]]
+    assert "model is in a fit of another Trainer" in str(error)
+    assert "copy.deepcopy(model)" in str(error)
+    trained, waited = (second, first) if refused == ["first"] else (first, second)
+    assert_replicas_identical(trained)
+    await waited.fit(make_batches([4] * 6), epochs=1)  # one after the other: as before
+    assert_replicas_identical(waited)
+
+
 async def test_fit_again_continues_training() -> None:
     batches = make_batches([4, 4])
     expected = reference(batches, 3, SGD)
