@@ -92,7 +92,7 @@ async def scenario(url: str) -> dict[str, object]:
         await probing.wait()
         short = (await client.post("/jobs", json={"epochs": 2, "batches": 80, "devices": 2})).json()
         long = (
-            await client.post("/jobs", json={"epochs": 1000, "batches": 50, "devices": 2})
+            await client.post("/jobs", json={"epochs": 400, "batches": 50, "devices": 2})
         ).json()
         running_together = (await client.get("/health")).json()["jobs_running"]
 
@@ -167,3 +167,36 @@ def test_unknown_job_is_a_404(server: str) -> None:
     assert httpx.get(f"{server}/jobs/job-999/events").status_code == 404
     assert httpx.delete(f"{server}/jobs/job-999").status_code == 404
     assert httpx.post(f"{server}/jobs", json={"epochs": 0}).status_code == 422
+
+
+def test_a_job_too_long_to_log_is_refused(server: str) -> None:
+    # Its log keeps ~2 KB a step: 1000 epochs of 10,000 batches were taken (~17 GB).
+    response = httpx.post(f"{server}/jobs", json={"epochs": 1000, "batches": 10_000})
+    assert response.status_code == 422
+    assert "at most 20,000 steps" in response.text
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the service's own loop
+async def test_the_service_keeps_the_last_ended_jobs_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every job ever started was kept, with its log, for the server's life.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("service_app", ROOT / "examples/service/app.py")
+    assert spec is not None
+    assert spec.loader is not None
+    app = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(app)
+    monkeypatch.setattr(app, "KEEP_ENDED", 2)
+    transport = httpx.ASGITransport(app=app.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
+        ids = []
+        for _ in range(4):
+            small = {"epochs": 1, "batches": 1, "devices": 1}
+            job = (await client.post("/jobs", json=small)).json()
+            ids.append(job["id"])
+            await app.JOBS[job["id"]].task
+        listed = [job["id"] for job in (await client.get("/jobs")).json()]
+        assert listed == ids[2:]  # the last 2 that ended
+        assert (await client.get(f"/jobs/{ids[0]}")).status_code == 404
+        assert (await client.get(f"/jobs/{ids[3]}")).json()["steps"] == 1

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from fastapi import Depends, FastAPI, HTTPException
 from fastapi.sse import EventSourceResponse, ServerSentEvent
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 import asyncddp
 
@@ -60,6 +60,13 @@ class JobRequest(BaseModel):
     batches: int = Field(default=20, ge=1, le=10_000, description="batches per epoch")
     batch_size: int = Field(default=64, ge=1, le=4096)
 
+    @model_validator(mode="after")
+    def bounded(self) -> JobRequest:
+        # A job's log keeps every event (about 2 KB a step) for its streams to replay.
+        if self.epochs * self.batches > MAX_STEPS:
+            raise ValueError(f"epochs * batches is at most {MAX_STEPS:,} steps a job")
+        return self
+
 
 class Job:
     """One training job: its task, and the log of its events that streams replay."""
@@ -72,11 +79,14 @@ class Job:
         self.status = "running"
         self.error: str | None = None
         self.log: list[dict[str, Any]] = []
+        self.steps, self.last_loss = 0, None
         self._changed = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
 
     def record(self, event: asyncddp.Event) -> None:
         self.log.append({"type": type(event).__name__, **dataclasses.asdict(event)})
+        if isinstance(event, asyncddp.StepEnded):
+            self.steps, self.last_loss = self.steps + 1, event.loss
         self._changed.set()
 
     async def changed(self) -> None:
@@ -84,18 +94,19 @@ class Job:
         self._changed.clear()
 
     def summary(self) -> dict[str, Any]:
-        steps = [e for e in self.log if e["type"] == "StepEnded"]
         return {
             "id": self.id,
             "status": self.status,
             "error": self.error,
             "request": self.request.model_dump(),
-            "steps": len(steps),
-            "last_loss": steps[-1]["loss"] if steps else None,
+            "steps": self.steps,
+            "last_loss": self.last_loss,
         }
 
 
-JOBS: dict[str, Job] = {}
+JOBS: dict[str, Job] = {}  # in the order they started
+MAX_STEPS = 20_000
+KEEP_ENDED = 100  # jobs that ended, kept for GET /jobs and their streams; older ones are dropped
 
 
 def make_batches(count: int, size: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -157,6 +168,9 @@ async def train(job: Job) -> None:
 
 @app.post("/jobs", status_code=201)
 async def start_job(request: JobRequest) -> dict[str, Any]:
+    ended = [job_id for job_id, job in JOBS.items() if job.status != "running"]
+    for job_id in ended[: max(len(ended) - KEEP_ENDED + 1, 0)]:
+        del JOBS[job_id]
     job = Job(request)
     JOBS[job.id] = job
     job.task = asyncio.create_task(train(job), name=job.id)
