@@ -138,7 +138,7 @@ def check_fits(
             "Trainer.state_dict() or an asyncddp checkpoint (a model's own state_dict() "
             "loads with trainer.model.load_state_dict())"
         )
-    probe = _on_meta(model)
+    probe = on_meta(model)
     try:
         if probe is None:
             _check_shapes(state["model"], model)
@@ -157,7 +157,7 @@ def check_fits(
         saved_scheduler is not None and make_scheduler is not None
     )
     probe_optimizer = (
-        _made(make_optimizer, _optimized(model, probe, optimizer))
+        made(make_optimizer, _optimized(model, probe, optimizer))
         if probe is not None and needed
         else None
     )
@@ -174,7 +174,7 @@ def check_fits(
                 "optimizer", {key for f, g in zip(fresh, loaded, strict=True) for key in f - g}
             )
     if saved_scheduler is not None and make_scheduler is not None and probe_optimizer is not None:
-        probe_scheduler = _made(make_scheduler, probe_optimizer)
+        probe_scheduler = made(make_scheduler, probe_optimizer)
         if probe_scheduler is not None:  # load_state_dict may pop entries: a copy (it is small)
             fresh_state = probe_scheduler.state_dict()
             _try_load(probe_scheduler, copy.deepcopy(saved_scheduler), "LR scheduler")
@@ -229,7 +229,7 @@ def _check_kind(what: str, missing: set[str]) -> None:
         )
 
 
-def _made(factory: Callable[[Any], Any], argument: Any) -> Any:
+def made(factory: Callable[[Any], Any], argument: Any) -> Any:
     """``factory(argument)`` for a probe, or ``None`` where it will not build one."""
     try:
         return factory(argument)
@@ -286,7 +286,7 @@ def check_optimizer_fits(saved: Any, optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def _on_meta(model: nn.Module) -> nn.Module | None:
+def on_meta(model: nn.Module) -> nn.Module | None:
     """A copy of ``model`` whose parameters, buffers and tensor attributes are empty tensors
     on the meta device; ``None`` for a model that cannot be copied (a lock among its
     attributes, say)."""

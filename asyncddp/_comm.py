@@ -207,7 +207,9 @@ class Comm:
         fingerprint: What must be the same on every rank (model shapes, options); checked once.
     """
 
-    def __init__(self, devices: Sequence[Device], params: int, fingerprint: str) -> None:
+    def __init__(
+        self, devices: Sequence[Device], params: int, fingerprint: Mapping[str, str]
+    ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigurationError("no torch.distributed process group is initialized")
         self.rank = dist.get_rank()
@@ -249,7 +251,7 @@ class Comm:
         # rebuilt on one rank only; see docs/distributed.md's limits).
         self.header(SETUP)
         packable = self._packable()
-        fingerprint = f"{self._fingerprint} packed={packable}"
+        fingerprint = {**self._fingerprint, "packed": str(packable)}
         mine = (self.devices, fingerprint, int(torch.randint(0, 2**62, ()).item()))
         gathered: list[Any] = [None] * self.world_size
         try:
@@ -271,10 +273,15 @@ class Comm:
             )
         different = [r for r, (_, fp, _) in enumerate(gathered) if fp != gathered[0][1]]
         if different:
+            first, theirs = gathered[0][1], gathered[different[0]][1]
+            differ = "; ".join(
+                f"{name}: {theirs.get(name)} on rank {different[0]}, {first.get(name)} on rank 0"
+                for name in {**first, **theirs}
+                if first.get(name) != theirs.get(name)
+            )
             raise ConfigurationError(
-                f"ranks {different} build a different trainer from rank 0 (model parameter "
-                f"shapes, dtypes or options differ: {gathered[different[0]][1]} vs "
-                f"{gathered[0][1]}); every rank must run the same model and Trainer arguments"
+                f"ranks {different} build a different trainer from rank 0 ({differ}); every "
+                "rank must run the same model, optimizer and Trainer arguments"
             )
         self._agreed = True
         self._packed = packable  # every rank's, as the fingerprints agree

@@ -22,13 +22,17 @@ ranks stay identical, and the others hear of the cancellation at their next exch
 
 from __future__ import annotations
 
+import os
 import threading
+import warnings
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import anyio
+import torch
+from torch import nn
 
-from . import _comm, distributed
+from . import _checkpoint, _comm, distributed
 from ._comm import Comm, Global
 from ._exceptions import ConfigurationError, WorkerFailedError
 from ._jobs import ExchangeWork, Sums, TrainWork, exchange_gradients
@@ -89,6 +93,7 @@ class DistributedSteps(Steps):
     _stop_agreed: bool
     _stop_reason: str | None
     _data_seed: int | None
+    _warned_alone: bool
     _cancelled_in_step: BaseException | None
     epoch: int
 
@@ -123,18 +128,32 @@ class DistributedSteps(Steps):
             self._comm.announced = False  # a failure of an earlier call was announced then
             return
         if not distributed.is_initialized():
+            world = os.environ.get("WORLD_SIZE", "1")
+            if world.isdigit() and int(world) > 1 and not self._warned_alone:
+                self._warned_alone = True
+                warnings.warn(
+                    f"WORLD_SIZE={world} is set (launched by torchrun?), but this process joined "
+                    "no process group: each process trains alone, on all of its data. Call "
+                    "asyncddp.distributed.init() before fit() to train across the processes",
+                    RuntimeWarning,
+                    stacklevel=3,  # the caller of fit or validate
+                )
             return
         model = self._source_model()
         params = [p for p in model.parameters() if p.requires_grad]
         frozen = [(tuple(p.shape), p.dtype) for p in model.parameters() if not p.requires_grad]
-        fingerprint = (
-            f"params={[(tuple(p.shape), p.dtype) for p in params]} devices={len(self.devices)} "
-            f"accumulate={self.accumulate_grad_batches} split={self.split_batches} "
-            f"clip={self.gradient_clip_val} scaler={self._scaler is not None} "
-            f"on_failure={self.on_failure} "
-            f"buffers={[(tuple(b.shape), b.dtype) for b in model.buffers()]} "
-            f"frozen={frozen}"
-        )
+        fingerprint = {
+            "params": str([(tuple(p.shape), p.dtype) for p in params]),
+            "devices": str(len(self.devices)),
+            "accumulate_grad_batches": str(self.accumulate_grad_batches),
+            "split_batches": str(self.split_batches),
+            "gradient_clip_val": str(self.gradient_clip_val),
+            "loss scaling": str(self._scaler is not None),
+            "on_failure": str(self.on_failure),
+            "buffers": str([(tuple(b.shape), b.dtype) for b in model.buffers()]),
+            "frozen": str(frozen),
+            **self._optimizer_settings(model),
+        }
         comm = Comm(self.devices, len(params), fingerprint)
         comm.layout = bucket_layout(params, len(self.devices))
         try:
@@ -161,6 +180,37 @@ class DistributedSteps(Steps):
             self._data_seed = comm.data_seed
         if cancellation is not None:
             raise cancellation
+
+    def _optimizer_settings(self, model: nn.Module) -> dict[str, str]:
+        """The optimizer's kind and its groups' settings, and the LR scheduler's kind and
+        settings, for the ranks to compare: different ones (a learning rate read from a
+        rank's environment, say) would train the ranks' models apart without a word. Read
+        from the first replica's, else from ones the factories build over a meta-device copy
+        of the model (as a checkpoint's check does); left out where they cannot be built."""
+        optimizer = scheduler = None
+        if self._replicas:
+            optimizer, scheduler = self._replicas[0].optimizer, self._replicas[0].scheduler
+        else:
+            probe = _checkpoint.on_meta(model)
+            if probe is not None:
+                params = [p for p in probe.parameters() if p.requires_grad]
+                optimizer = _checkpoint.made(self._optimizer_factory, params)
+                if isinstance(optimizer, torch.optim.Optimizer) and self._scheduler_factory:
+                    scheduler = _checkpoint.made(self._scheduler_factory, optimizer)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            return {}
+        groups = [
+            {k: _plain(v) for k, v in group.items() if k != "params"}
+            | {"params": len(group["params"])}
+            for group in optimizer.param_groups
+        ]
+        settings = {"optimizer": f"{type(optimizer).__name__} {groups}"}
+        if scheduler is not None:
+            state = {
+                k: _plain(v) for k, v in scheduler.state_dict().items() if not k.startswith("_")
+            }
+            settings["lr_scheduler"] = f"{type(scheduler).__name__} {state}"
+        return settings
 
     async def _take_rank_0s_model(self) -> None:
         """In the first fit or validate session after joining (every rank is in it), once the
@@ -401,3 +451,8 @@ class DistributedSteps(Steps):
         # A cancellation once the exchange is done (kept in _cancelled_in_step): every rank
         # takes this step, so does this one.
         return await self._apply(self._apply_work(coefficient, result.unused))
+
+
+def _plain(value: Any) -> Any:
+    """A setting as every rank writes it alike: a tensor's values, not its device."""
+    return value.tolist() if isinstance(value, torch.Tensor) else value

@@ -51,7 +51,14 @@ from ._jobs import (
     check_counts,
 )
 from ._precision import LossScaler
-from ._replica import Replica, check_rebuilt, lives_on, move_to
+from ._replica import (
+    OptimizerFactory,
+    Replica,
+    SchedulerFactory,
+    check_rebuilt,
+    lives_on,
+    move_to,
+)
 from ._scheduler import JobQueuedError, StepScheduler
 from ._sync import clip_coefficient
 from ._worker import WorkerContext
@@ -116,6 +123,8 @@ class Steps:
     step_timeout: float | None
     global_step: int
     _replicas: list[Replica]
+    _optimizer_factory: OptimizerFactory
+    _scheduler_factory: SchedulerFactory | None
     _scaler: LossScaler | None
     _scheduler: StepScheduler | None
     _hub: EventHub

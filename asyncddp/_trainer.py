@@ -357,6 +357,7 @@ class Trainer(Resumable):
         self._last_global: _comm.Global | None = None  # the last exchange's sums
         self._stop_agreed = False  # every rank knows of a stop() (only then do they stop)
         self._data_seed: int | None = None  # how the ranks shuffle alike
+        self._warned_alone = False  # see DistributedSteps._join
         self._from_rank_0 = False  # across ranks: whether rank 0's model was taken yet
         self._cancelled_in_step: BaseException | None = None  # raised once the step is counted
         self._batches_world = 1  # how many processes counted _batches_done (each its own)

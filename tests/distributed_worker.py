@@ -474,6 +474,25 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         both = scenario == "on-failure-both"
         t = trainer(1, on_failure="drop" if rank == 1 or both else "raise")
         report["error"] = await refusal(t.fit(batches(), epochs=1))
+    elif scenario == "optimizer-differs":  # rank 1's learning rate, from its environment say
+        lr = 0.3 if rank == 1 else 0.2
+        t = asyncddp.Trainer(
+            model(0),
+            functools.partial(torch.optim.SGD, lr=lr, momentum=0.9),
+            step,
+            devices=asyncddp.cpu_devices(1),
+            lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2),
+            progress_bar=False,
+        )
+        report["error"] = await refusal(t.fit(batches(), epochs=1))
+    elif scenario == "scheduler-differs":  # rank 1 steps its learning rate every 3 epochs
+        t = trainer(
+            1,
+            lr_scheduler=functools.partial(
+                torch.optim.lr_scheduler.StepLR, step_size=3 if rank == 1 else 2
+            ),
+        )
+        report["error"] = await refusal(t.fit(batches(), epochs=1))
     elif scenario == "dies-before-joining":  # rank 1 dies building its model, say
         if rank == 1:
             os._exit(3)
@@ -684,7 +703,7 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
     elif scenario == "roll-call":  # 3 ranks: rank 0 finds a collective broken while rank 2
         # waits on it in one, and rank 1 says nothing; rank 0 then leaves, which breaks rank 2's
         devices = asyncddp.cpu_devices(1)
-        comm = _comm.Comm(devices, 1, "roll-call")
+        comm = _comm.Comm(devices, 1, {"scenario": "roll-call"})
         comm.setup()
         if rank == 0:
             await asyncio.sleep(0.5)  # rank 2 is in its collective

@@ -715,13 +715,17 @@ def test_every_rank_takes_rank_0s_batchnorm_statistics(tmp_path: Path, devices: 
     [
         # Their gradient buckets would differ in size and number: the all-reduces would not
         # match.
-        ("mixed-devices", "devices=2"),
+        ("mixed-devices", "(devices: 2 on rank 1, 1 on rank 0)"),
         # Their replicas would drift apart, as a CPU and a GPU replica do in one process.
         ("mixed-kinds", "rank 0 trains on cpu, rank 1 trains on cuda"),
         # on_failure other than "raise": refused on every rank together, after the ranks meet.
         # Refused on one rank alone before it, the others waited for the group's timeout.
         ("on-failure-both", "on_failure='drop' is not supported across processes yet"),
         ("on-failure-rank-1", "ranks [1] build a different trainer from rank 0"),
+        ("on-failure-rank-1", "on_failure: drop on rank 1, raise on rank 0"),
+        # Not compared before: the ranks trained apart, reporting the same loss.
+        ("optimizer-differs", "optimizer: SGD [{'lr': 0.3, 'momentum': 0.9,"),
+        ("scheduler-differs", "lr_scheduler: StepLR {'step_size': 3, "),
     ],
 )
 def test_ranks_whose_devices_or_options_differ_are_refused_on_every_rank(
@@ -1056,7 +1060,7 @@ def test_a_trainer_on_the_cpu_in_an_nccl_group_says_what_to_do(
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
     monkeypatch.setattr(torch.distributed, "get_backend", lambda: "nccl")
     with pytest.raises(asyncddp.ConfigurationError, match="first device is cpu#0"):
-        Comm(asyncddp.cpu_devices(1), 1, "model")
+        Comm(asyncddp.cpu_devices(1), 1, {"model": "model"})
 
 
 # -- each rank's part of the data, without processes ---------------------------------------------
@@ -1335,3 +1339,21 @@ def test_init_refuses_an_environment_that_describes_no_process_group_at_once(
         asyncddp.distributed.init()
     assert "torchrun sets" in str(caught.value)
     assert not asyncddp.distributed.is_initialized()
+
+
+@pytest.mark.anyio
+async def test_a_fit_under_torchrun_without_init_warns_that_each_process_trains_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every process trained the whole data on its own, and wrote the same checkpoints.
+    def trainer() -> asyncddp.Trainer:
+        return asyncddp.Trainer(worker.model(0), torch.optim.SGD, worker.step, progress_bar=False)
+
+    data = worker.batches(2)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    await trainer().fit(data, epochs=1)  # one process of one: nothing to say
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    alone = trainer()
+    with pytest.warns(RuntimeWarning, match=r"WORLD_SIZE=2 .*asyncddp\.distributed\.init\(\)"):
+        await alone.fit(data, epochs=1)
+    await alone.fit(data, epochs=2)  # once a trainer
