@@ -67,6 +67,14 @@ __all__ = ["Comm", "Failure", "Global", "PeerFailed", "RankLost"]
 
 # Exchange kinds.
 STEP, VALIDATION, STOP_CHECK, FIT_END, SETUP, MODEL = 1, 2, 3, 4, 5, 6
+_EXCHANGES = {
+    STEP: "a training step (fit)",
+    VALIDATION: "the end of a validation (validate, or fit's valid_data)",
+    STOP_CHECK: "an epoch's check for stop() (fit)",
+    FIT_END: "the end of fit",
+    SETUP: "a trainer's first call",
+    MODEL: "taking rank 0's model (a call's start)",
+}
 _KIND, _ITEMS, _LOSS, _ACTIVE, _FAILED, _STOP, _NEW, _BUCKETS, _COUNTED = range(9)
 _FIXED = 9
 
@@ -343,9 +351,16 @@ class Comm:
             raise PeerFailed(self._gather_failures(None))
         got = round(row[_KIND])
         if got != kind * self.world_size:
+            other = got - kind  # the other rank's, when there are two
+            there = (
+                f"the other rank at {_EXCHANGES[other]}"
+                if self.world_size == 2 and other in _EXCHANGES
+                else "another rank elsewhere"
+            )
             raise ConfigurationError(
-                f"the ranks are out of step: exchange {kind} here, others elsewhere ({got}); "
-                "every rank must call fit() with the same arguments"
+                f"the ranks are out of step: this rank is at {_EXCHANGES[kind]}, {there}; "
+                "every rank must make the same calls on its trainer (fit, validate), in the "
+                "same order and with the same arguments"
             )
         if row[_NEW] > 0:
             row += self._register(new, pairs)

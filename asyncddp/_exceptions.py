@@ -197,7 +197,12 @@ class WorkerFailedError(AsyncDDPError):
         what = ": ".join(parts)
         context = [f"{key} {value}" for key, value in self._context() if value is not None]
         if self.other_failures:
-            names = ", ".join(failure.device.name for failure in self.other_failures)
+            names = ", ".join(
+                f"rank {failure.rank} {failure.device.name}"
+                if failure.rank is not None
+                else failure.device.name
+                for failure in self.other_failures
+            )
             context.append(f"also failed: {names}")
         suffix = f" ({'; '.join(context)})" if context else ""
         return f"{who} failed: {what}{suffix}"

@@ -268,6 +268,11 @@ def _backend(asked: str | None) -> str:
         asked = "nccl"
     if asked not in ("gloo", "nccl"):
         raise ConfigurationError(f"backend must be 'gloo' or 'nccl', got {asked!r}")
+    if asked == "nccl" and gpus == 0:
+        raise ConfigurationError(
+            "NCCL needs a GPU for each process, and no GPU is visible here: join with "
+            "asyncddp.distributed.init('gloo') on every machine, or run where GPUs are"
+        )
     if asked == "nccl" and gpus < needed and not own_gpus:
         raise ConfigurationError(
             f"NCCL needs a GPU for each process, but {local_size} process(es) share this "

@@ -875,6 +875,10 @@ def test_ranks_in_different_exchanges_say_so(tmp_path: Path, exchange: str) -> N
     for report in reports:
         assert report is not None
         assert "the ranks are out of step" in report["error"]
+    # Each named, not by internal codes ("exchange 2 here, others elsewhere (3)").
+    assert reports[0] is not None
+    assert "at the end of a validation" in reports[0]["error"]
+    assert "the other rank at a training step (fit)" in reports[0]["error"]
 
 
 def test_init_without_the_torchrun_environment_says_how_to_launch(
@@ -932,6 +936,10 @@ def test_nccl_without_a_gpu_for_every_process_fails_alike_on_every_rank(
         asyncddp.distributed._backend("nccl")
     with pytest.raises(asyncddp.ConfigurationError, match="'gloo' or 'nccl'"):
         asyncddp.distributed._backend("mpi")
+    # It said "start at most 0 process(es) per machine" where no GPU is visible at all.
+    torchrun_env(monkeypatch, 0, {**ONE_MACHINE, "RANK": rank, "LOCAL_RANK": rank})
+    with pytest.raises(asyncddp.ConfigurationError, match=r"no GPU is visible here.*'gloo'"):
+        asyncddp.distributed._backend("nccl")
 
 
 def test_across_machines_a_machine_short_of_gpus_is_refused_not_left_on_gloo(

@@ -88,6 +88,18 @@ def test_pickle_round_trip_keeps_fields() -> None:
     )
 
 
+def test_other_failures_across_ranks_are_named_with_their_ranks() -> None:
+    # "also failed: cpu, cpu" said which devices, not which ranks (each rank's is "cpu").
+    cpu = asyncddp.resolve_devices("cpu")[0]
+    others = [
+        WorkerFailedError.from_exception(ValueError(str(rank)), device=cpu, rank=rank)
+        for rank in (1, 2)
+    ]
+    error = WorkerFailedError.from_exception(ValueError("0"), device=cpu, rank=0, step=2)
+    error.other_failures = tuple(others)
+    assert str(error).endswith("(step 2; also failed: rank 1 cpu, rank 2 cpu)")
+
+
 def test_repr_is_short_and_holds_no_objects() -> None:
     error = WorkerFailedError.from_exception(KeyError("k"), device=CPU1, step=1)
     assert repr(error) == (
