@@ -23,6 +23,7 @@ ranks stay identical, and the others hear of the cancellation at their next exch
 from __future__ import annotations
 
 import os
+import re
 import threading
 import warnings
 from collections.abc import Awaitable, Callable, Iterable
@@ -204,12 +205,12 @@ class DistributedSteps(Steps):
             | {"params": len(group["params"])}
             for group in optimizer.param_groups
         ]
-        settings = {"optimizer": f"{type(optimizer).__name__} {groups}"}
+        settings = {"optimizer": _same_everywhere(f"{type(optimizer).__name__} {groups}")}
         if scheduler is not None:
             state = {
                 k: _plain(v) for k, v in scheduler.state_dict().items() if not k.startswith("_")
             }
-            settings["lr_scheduler"] = f"{type(scheduler).__name__} {state}"
+            settings["lr_scheduler"] = _same_everywhere(f"{type(scheduler).__name__} {state}")
         return settings
 
     async def _take_rank_0s_model(self) -> None:
@@ -451,6 +452,12 @@ class DistributedSteps(Steps):
         # A cancellation once the exchange is done (kept in _cancelled_in_step): every rank
         # takes this step, so does this one.
         return await self._apply(self._apply_work(coefficient, result.unused))
+
+
+def _same_everywhere(text: str) -> str:
+    """A setting's repr without what differs between processes running the same code: the
+    addresses of objects (a function's, an instance's without a repr of its own)."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", text)
 
 
 def _plain(value: Any) -> Any:

@@ -1365,3 +1365,16 @@ async def test_a_fit_under_torchrun_without_init_warns_that_each_process_trains_
     with pytest.warns(RuntimeWarning, match=r"WORLD_SIZE=2 .*asyncddp\.distributed\.init\(\)"):
         await alone.fit(data, epochs=1)
     await alone.fit(data, epochs=2)  # once a trainer
+
+
+def test_settings_compared_across_ranks_leave_out_object_addresses() -> None:
+    # A parameter group or LR scheduler holding an object without a repr of its own shows its
+    # address, which differs between processes running the same code: not a difference.
+    from asyncddp._dsteps import _same_everywhere
+
+    class Rule:
+        pass
+
+    first, second = (_same_everywhere(repr([{"lr": 0.1, "rule": Rule()}])) for _ in range(2))
+    assert first == second
+    assert "0x" not in first
