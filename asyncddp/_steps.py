@@ -227,7 +227,7 @@ class Steps:
     async def _run_step(self, window: Window, epoch: int, *, final: bool) -> float | None:
         """Forward and backward for the window's batches not yet run; with ``final``, also the
         optimizer step. Applies the failure policy. Returns the learning rate after the step."""
-        attempt = 0
+        attempt, last = 0, None
         while True:
             try:
                 if final and self._distributed():
@@ -237,8 +237,8 @@ class Steps:
                 await self._forward_backward(window, epoch)
                 return await self._optimizer_step(window) if final else None
             except WorkerFailedError as error:
-                await self._on_failure(error, window, epoch, attempt)
-                attempt += 1
+                await self._on_failure(error, window, epoch, attempt, last)
+                attempt, last = attempt + 1, error.error_type
             except BaseException:
                 # Cancelled (or interrupted) in mid-step: undo it now, shielded, so that the
                 # trainer is consistent the moment the cancellation arrives.
@@ -247,9 +247,15 @@ class Steps:
                 raise
 
     async def _on_failure(
-        self, error: WorkerFailedError, window: Window, epoch: int, attempt: int
+        self,
+        error: WorkerFailedError,
+        window: Window,
+        epoch: int,
+        attempt: int,
+        last: str | None = None,
     ) -> None:
-        """Apply the failure policy: raise, or undo and get ``window`` ready to run again."""
+        """Apply the failure policy: raise, or undo and get ``window`` ready to run again.
+        ``last``: the error type of this window's last failed attempt, if any."""
         if isinstance(error.__cause__, (PeerFailed, RankLost)):
             await self._abandon_quietly()
             raise error  # another rank's failure: the trainer names it
@@ -269,6 +275,15 @@ class Steps:
             raise nonfinite from error.__cause__
         failed = {error.device.name, *(f.device.name for f in error.other_failures)}
         action = self._next_action(failed, attempt)
+        if action == "drop" and error.error_type == last:
+            # The same error again, on a device the batch went to once the last one was
+            # dropped: it follows the batch (bad data, a bug in the step), and dropping every
+            # device in turn would not mend it.
+            action = "raise"
+            error.add_note(
+                f"on_failure='drop' dropped a device for this error ({last}) in this step "
+                "already: it follows the batch (its data, or the step), not a device"
+            )
         self._publish_failure(error, action)
         if action == "raise":
             if not isinstance(error, WorkerTimeoutError):  # a hung device cannot undo

@@ -153,7 +153,9 @@ def failing_step(
 
     Args:
         step: The step to wrap.
-        device: The device, by index (``1``) or name (``"cpu#1"``).
+        device: The device, by index (``1``) or name (``"cpu#1"``). An index is a position
+            among the trainer's devices: after ``on_failure="drop"`` dropped one, another
+            device's; a name stays with its device.
         at: The optimizer step at which it fails; ``None`` fails at every step.
         where: ``"forward"`` raises before returning; ``"backward"`` returns a loss whose
             backward pass raises; ``"metric"`` raises while computing a metric, after the loss.

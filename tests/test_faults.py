@@ -502,7 +502,9 @@ async def test_a_step_retried_on_fewer_devices_with_whole_batches_is_one_mean(
     trainer = Trainer(
         make_model(),
         SGD,
-        failing_step(lambda m, b: step(m, b)["loss"], device=1, at=1),
+        # By name: by index, after the drop the failure moved to cpu#2 (index 1 then), which
+        # was dropped as well.
+        failing_step(lambda m, b: step(m, b)["loss"], device="cpu#1", at=1),
         devices=cpu_devices(devices),
         split_batches=False,
         on_failure="drop",

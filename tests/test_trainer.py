@@ -1041,6 +1041,27 @@ async def test_drop_policy_goes_on_without_the_failed_device() -> None:
     assert [(e.device, e.remaining) for e in dropped] == [("cpu#1", ("cpu#0", "cpu#2"))]
 
 
+async def test_drop_raises_an_error_that_follows_its_batch_instead_of_dropping_every_device() -> (
+    None
+):
+    # A label out of range in the second batch: its shard failed on cpu#1, which was dropped;
+    # re-split, it failed on cpu#0, dropped too, and the trainer was left on cpu#2 alone.
+    batches = make_batches([6, 6])
+    batches[1][1][2] = 99  # the third item: cpu#1's shard of three devices, cpu#0's of two
+    trainer = Trainer(
+        make_model(), SGD, loss_step, devices=cpu_devices(3), on_failure="drop", progress_bar=False
+    )
+    with (
+        pytest.warns(asyncddp.DeviceDroppedWarning, match="cpu#1"),
+        pytest.raises(WorkerFailedError, match="out of bounds") as caught,
+    ):
+        await trainer.fit(batches, epochs=1)
+    assert caught.value.device.name == "cpu#0"
+    assert "it follows the batch" in "\n".join(caught.value.__notes__)
+    assert [d.name for d in trainer.devices] == ["cpu#0", "cpu#2"]
+    assert trainer.global_step == 1
+
+
 @pytest.mark.parametrize("long", [False, True], ids=["short-list", "long-list"])
 async def test_a_long_list_of_batches_is_counted_off_the_event_loop(
     monkeypatch: pytest.MonkeyPatch, long: bool
