@@ -9,7 +9,7 @@ strings); other leaves (numbers, strings, 0-dim tensors) are handed to every sha
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping, MutableMapping, Sized
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sized
 from typing import Any, cast
 
 import torch
@@ -244,6 +244,11 @@ def no_batches(
         message = f"{name} yielded no batches; give at least one batch per epoch"
     else:
         message = f"{name} yielded no items; give at least one batch{why}"
+    if isinstance(data, Iterator) and not batches:
+        message += (
+            f" ({name} is an iterator, such as a generator, which an earlier epoch or call may "
+            "have used up: give data that can be read again, a list or a DataLoader)"
+        )
 
     if isinstance(data, torch.utils.data.DataLoader) and data.drop_last:
         dataset = data.dataset

@@ -897,6 +897,12 @@ def _check_data(data: Iterable[Any], name: str, passes: int) -> None:
     the others validated on)."""
     if empty_up_front(data):  # before any work: an empty validation set failed after an epoch
         raise no_batches(name, data, training=name == "train_data")
+    if isinstance(data, torch.Tensor):
+        raise DataError(
+            f"{name} is a tensor of shape {tuple(data.shape)}: iterated, it gives its rows, "
+            "one sample each, not batches. Pass a list of batches, or "
+            f"torch.utils.data.DataLoader(TensorDataset(inputs, targets), batch_size=...)"
+        )
     kind: type = type(data)  # a type, not narrowed: mypy finds Iterable and Dataset at odds
     if issubclass(kind, torch.utils.data.Dataset) and getattr(kind, "__iter__", None) is None:
         raise DataError(

@@ -1485,6 +1485,10 @@ async def test_a_step_that_trains_a_model_from_outside_it_is_a_clear_error() -> 
         ([(torch.zeros(3, FEATURES), torch.zeros(2))], "share their size along dim 0"),
         # fit returned an epoch of train_loss 0.0 from no step at all, and no word.
         (make_batches([0, 0]), r"batches held no items in this epoch \(every batch empty\)"),
+        # Its rows were taken for batches: a device failure, "too many values to unpack".
+        (torch.zeros(8, FEATURES), r"tensor of shape \(8, 6\): iterated, it gives its rows"),
+        # The generator an earlier call used up.
+        (iter([]), r"yielded no batches.*an iterator, such as a generator"),
     ],
 )
 async def test_bad_data_is_a_clear_error(data: Any, message: str) -> None:
