@@ -164,17 +164,23 @@ def _slice(value: Any, start: int, stop: int, size: int) -> Any:
 
 
 def _same_mapping(value: Mapping[Any, Any], items: dict[Any, Any]) -> Mapping[Any, Any]:
-    """A mapping like ``value`` (its type, and what else it holds: a ``defaultdict``'s
-    factory) with ``items``, as torch's ``pin_memory`` rebuilds one; a plain dict where the
-    type cannot be copied or built from a dict."""
+    """A mapping of ``value``'s type holding ``items``: built from them, or else (a
+    ``defaultdict``, whose first argument is its factory) a copy of ``value`` updated with
+    them, as torch's ``pin_memory`` rebuilds one; a plain dict where neither works. (Not a
+    copy first: one that shares its entries with ``value``, a mapping over an inner dict,
+    would write every shard into the caller's batch.)"""
     try:
-        if isinstance(value, MutableMapping):
+        return type(value)(items)  # type: ignore[call-arg]
+    except TypeError:
+        pass
+    if isinstance(value, MutableMapping):
+        try:
             clone = copy.copy(value)
             clone.update(items)
             return clone
-        return type(value)(items)  # type: ignore[call-arg]
-    except TypeError:
-        return items
+        except TypeError:
+            pass
+    return items
 
 
 def _per_item_text(value: list[Any] | tuple[Any, ...], size: int) -> bool:

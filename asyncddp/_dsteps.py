@@ -461,5 +461,16 @@ def _same_everywhere(text: str) -> str:
 
 
 def _plain(value: Any) -> Any:
-    """A setting as every rank writes it alike: a tensor's values, not its device."""
-    return value.tolist() if isinstance(value, torch.Tensor) else value
+    """A setting as every rank writes it alike: a tensor's values, not its device; a set in
+    order, not in its hashes' (which differ between processes); inside containers too."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (set, frozenset)):
+        return sorted((_plain(item) for item in value), key=repr)
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return value

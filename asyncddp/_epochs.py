@@ -365,10 +365,11 @@ class Epochs(DistributedSteps):
             taken = window.sums.items > 0  # else nothing to learn from: no step was taken
             if taken:
                 self.global_step += 1
-                if window.sums.counted or self._distributed():
+                if window.sums.counted or self._distributed() or self._scaler is not None:
                     # What the next steps' counts are weighted against (the same on every
                     # rank); across ranks, a step with as many items as this one then needs
-                    # no scaling of its reduced gradients (see _reference_count).
+                    # no scaling of its reduced gradients (see _reference_count). Under a
+                    # loss scale, a step's share of items, not a first small batch's.
                     self._items_ref = float(window.sums.items)
         finally:
             self._unlock_window()

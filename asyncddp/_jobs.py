@@ -66,6 +66,12 @@ class Sums:
     counted: bool = False
     metric_items: dict[str, int] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # A metric without a count (a checkpoint's, saved where every metric was over every
+        # item) is over the items counted so far, not over those counted after it.
+        for name in self.metrics:
+            self.metric_items.setdefault(name, self.items)
+
     def add(self, other: Sums) -> None:
         for name in other.metrics:
             self.metric_items[name] = self.item_count(name) + other.item_count(name)

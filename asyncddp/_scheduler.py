@@ -40,7 +40,7 @@ from ._exceptions import (
 from ._loop import Waker, current_waker
 from ._openmp import release_idle_threads
 from ._progress import Progress, ProgressTracker
-from ._worker import CallerState, DeviceWorker, WorkerContext
+from ._worker import CallerState, DeviceWorker, WorkerContext, new_threads_count
 
 __all__ = ["StepResult", "StepScheduler"]
 
@@ -69,7 +69,20 @@ class JobQueuedError(WorkerFailedError):
     """A shielded step's job (``run(shield=True)``) on a device whose worker is still in an
     earlier job that outlived the wait for it (``drain_timeout`` or ``step_timeout``: a step
     that hangs). The job stays queued and runs once that one returns; ``run`` waited for the
-    other devices' jobs only. ``__cause__`` is ``None``."""
+    other devices' jobs only; `ran` tells, once the worker's thread has exited, whether it
+    ran without raising. ``__cause__`` is ``None``."""
+
+    _step: _Step | None = None
+
+    def ran(self) -> bool:
+        """Whether the queued job ran and returned (not dropped, not raised)."""
+        step = self._step
+        if step is None:  # unpickled: unknown
+            return False
+        index = self.device.index
+        with step.lock:
+            failed = any(i == index for i, _ in step.failures)
+            return step.finished[index] and not step.cancelled and not failed
 
 
 class _Step:
@@ -322,6 +335,10 @@ class StepScheduler:
             DeviceWorker(device, threads=None if device.is_cuda else share)
             for device in self.devices
         )
+        if cpu_workers:  # what the workers put back in torch's global count (_set_own_threads)
+            count = new_threads_count()
+            for worker in workers:
+                worker._callers_threads = count
         started: list[DeviceWorker] = []
         try:
             for worker in workers:
@@ -524,6 +541,8 @@ class StepScheduler:
             error = cancellation
         elif queued:
             error = self._queued_error(state, busy, number, epoch, phase)
+            if error is None and state.failures:  # they returned, and failed, meanwhile
+                error = self._failure_error(state, number, epoch, phase)
         state.forget_jobs()
         if error is None:
             return StepResult(
@@ -615,10 +634,12 @@ class StepScheduler:
 
     def _queued_error(
         self, state: _Step, busy: set[int], number: int, epoch: int | None, phase: str | None
-    ) -> WorkerFailedError:
+    ) -> WorkerFailedError | None:
         """A shielded step's jobs left queued behind a hung job: `JobQueuedError`."""
         with state.lock:
             late = [i for i in sorted(busy) if not state.finished[i]]
+        if not late:  # they returned meanwhile: the step settled after all
+            return None
         errors = [
             JobQueuedError(
                 device=self.devices[index],
@@ -633,6 +654,8 @@ class StepScheduler:
             )
             for index in late
         ]
+        for error in errors:
+            error._step = state
         errors[0].other_failures = tuple(errors[1:])
         return errors[0]
 

@@ -123,6 +123,7 @@ class Steps:
     step_timeout: float | None
     global_step: int
     _replicas: list[Replica]
+    _queued_undos: list[JobQueuedError]
     _optimizer_factory: OptimizerFactory
     _scheduler_factory: SchedulerFactory | None
     _scaler: LossScaler | None
@@ -321,13 +322,12 @@ class Steps:
                 self._jobs().abandon, (apply_id, self._window), phase="abandon", shield=True
             )
         except WorkerFailedError as error:
-            failed = {
-                failure.device.name
-                for failure in (error, *error.other_failures)
-                # Queued behind a hung job, the undo runs once it returns, before the worker's
-                # thread exits (no later call starts before: see Trainer._stragglers).
-                if not isinstance(failure, JobQueuedError)
-            }
+            failures = (error, *error.other_failures)
+            # Queued behind a hung job, the undo runs once it returns, before the worker's
+            # thread exits; no later call starts before, and the next one checks it ran
+            # (Trainer._check_queued_undos).
+            self._queued_undos += [f for f in failures if isinstance(f, JobQueuedError)]
+            failed = {f.device.name for f in failures if not isinstance(f, JobQueuedError)}
             if failed:
                 return failed
         self._window_open = False
@@ -396,11 +396,12 @@ class Steps:
 
     def _reference_count(self, items: int) -> float:
         """What a step's items are weighted against (see ``TrainWork.per_item``): the last
-        counted step's total, else this micro-step's items times ``accumulate_grad_batches``
-        (the step's total, with even batches; across ranks, the last step's global total,
-        else 1: every rank must use the same). The reduced gradients are
-        multiplied by this over the step's total, so across ranks a step as large as the last
-        one (every step, with even data) skips that pass over the gradients."""
+        counted (or loss-scaled) step's total, else this micro-step's items times
+        ``accumulate_grad_batches`` (the step's total, with even batches; across ranks, the
+        last step's global total, else 1: every rank must use the same). The reduced
+        gradients are multiplied by this over the step's total, so across ranks a step as
+        large as the last one (every step, with even data) skips that pass over the gradients.
+        """
         if self._items_ref is not None:
             return self._items_ref
         if self._distributed():

@@ -83,15 +83,18 @@ from ._replica import (
     move_to,
 )
 from ._resume import Resumable
-from ._scheduler import StepScheduler
+from ._scheduler import JobQueuedError, StepScheduler
 from ._steps import DeviceDroppedWarning
 
 __all__ = ["DeviceDroppedWarning", "EpochRecord", "FitResult", "Trainer"]
 
 _log = logging.getLogger("asyncddp")
 
-# The modules in a call (fit, validate, save_checkpoint) of some Trainer, and that trainer.
-_IN_CALL: weakref.WeakKeyDictionary[nn.Module, Trainer] = weakref.WeakKeyDictionary()
+# Each module given to a Trainer, and the last trainer to start a call (fit, validate,
+# save_checkpoint) on it: while that call runs, or a thread it left behind does, it is in use.
+_LAST_CALLER: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Trainer]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @dataclass(frozen=True)
@@ -358,6 +361,7 @@ class Trainer(Resumable):
         self._stop_agreed = False  # every rank knows of a stop() (only then do they stop)
         self._data_seed: int | None = None  # how the ranks shuffle alike
         self._warned_alone = False  # see DistributedSteps._join
+        self._queued_undos: list[JobQueuedError] = []  # see _check_queued_undos
         self._from_rank_0 = False  # across ranks: whether rank 0's model was taken yet
         self._cancelled_in_step: BaseException | None = None  # raised once the step is counted
         self._batches_world = 1  # how many processes counted _batches_done (each its own)
@@ -701,6 +705,8 @@ class Trainer(Resumable):
         """Worker threads for one fit, validate or checkpoint call."""
         self._refuse_if_running()
         self._stragglers = [thread for thread in self._stragglers if thread.is_alive()]
+        if not self._stragglers:
+            self._check_queued_undos()
         if self._stragglers:
             names = ", ".join(thread.name for thread in self._stragglers)
             error = AsyncDDPError(
@@ -716,31 +722,36 @@ class Trainer(Resumable):
         if not self._consistent:
             raise AsyncDDPError(
                 "a failed optimizer step left the replicas different from each other "
-                "(atomic_steps=False); call load_state_dict() with a state saved after a step "
-                "(state_dict() or a checkpoint) first"
+                "(atomic_steps=False, or its undo failed); call load_state_dict() with a "
+                "state saved after a step (state_dict() or a checkpoint) first"
             )
-        other = _IN_CALL.get(self._source)
-        if other is not None and other is not self:
+        last = _LAST_CALLER.get(self._source)
+        other = last() if last is not None else None
+        if other is not None and other is not self and other._uses_its_model():
             raise ConfigurationError(
-                f"this trainer's model is in a {other._session_kind} of another Trainer: "
-                "trainers given one module train that one module, and at once they would "
+                "this trainer's model is in use by another Trainer ("
+                + (
+                    f"in a {other._session_kind})"
+                    if other._session_kind is not None
+                    else "a thread its last call left behind still writes into it)"
+                )
+                + ": trainers given one module train that one module, and at once they would "
                 "write into each other's steps. Give each trainer its own copy "
                 "(copy.deepcopy(model)), or await the other call first"
             )
-        _IN_CALL[self._source] = self
+        scheduler = self._new_scheduler()
+        _LAST_CALLER[self._source] = weakref.ref(self)
         self._session_kind = kind
         self._session_done = anyio.Event()
         ended = False
         # fast_acquire: an uncontended step need not yield to the loop (the step awaits anyway)
         self._step_lock = anyio.Lock(fast_acquire=True)
         self._window_locked = False
-        scheduler = self._new_scheduler()
         try:
             scheduler.start()
         except BaseException:
             self._session_kind = None  # no session after all: nobody waits for its end
             self._session_done.set()
-            _IN_CALL.pop(self._source, None)
             raise
         self._scheduler = scheduler
         try:
@@ -784,7 +795,19 @@ class Trainer(Resumable):
             finally:
                 self._session_kind = None
                 self._session_done.set()
-                _IN_CALL.pop(self._source, None)
+
+    def _uses_its_model(self) -> bool:
+        """Whether a call of this trainer runs, or a thread one left behind does."""
+        return self._session_kind is not None or any(t.is_alive() for t in self._stragglers)
+
+    def _check_queued_undos(self) -> None:
+        """Once the threads left behind have exited: did the undos queued behind their hung
+        jobs (see `JobQueuedError`) all run, and succeed? If not, a replica may differ from the
+        others (an optimizer step not undone)."""
+        for error in self._queued_undos:
+            if not error.ran():
+                self._consistent = False
+        self._queued_undos.clear()
 
     async def _finish_streams(self, scheduler: StepScheduler) -> None:
         """Wait for the kernels a lone GPU's last step left running (see

@@ -144,6 +144,18 @@ def _cpu_worker_slice() -> float | None:
     return _sched.WORKER_SLICE_MS
 
 
+def new_threads_count() -> int:
+    """The intra-op thread count a thread started now would run with: torch's global (see
+    `_set_own_threads`), which the calling thread's own count may differ from."""
+    seen: list[int] = []
+    reader = threading.Thread(
+        target=lambda: seen.append(torch.get_num_threads()), name="asyncddp-threads", daemon=True
+    )
+    reader.start()
+    reader.join()
+    return seen[0]
+
+
 def _set_own_threads(threads: int, callers: int) -> None:
     """``torch.set_num_threads(threads)`` for this thread alone.
 
@@ -152,8 +164,8 @@ def _set_own_threads(threads: int, callers: int) -> None:
     ``torch.get_num_threads()``). Left at this worker's share, every thread started later
     would run with it: a thread pool's, an event loop's in a thread, a sync endpoint's. So this
     thread sets its count, takes it as its own, sets it again (another worker may have set the
-    global in between), and a thread of no other use puts the starting thread's count back in
-    the global (after every worker's set, since each puts it back after its own).
+    global in between), and a thread of no other use puts the global's count from before the
+    workers started back (after every worker's set, since each puts it back after its own).
     """
     torch.set_num_threads(threads)
     torch.get_num_threads()
@@ -204,8 +216,8 @@ class DeviceWorker:
         """Start the thread. It sets up its device (and stream) before its first job."""
         if self.device.type == "cpu":
             self._slice_ms = _cpu_worker_slice()
-        if self.threads is not None:
-            self._callers_threads = torch.get_num_threads()
+        if self.threads is not None and not self._callers_threads:
+            self._callers_threads = new_threads_count()
         self._thread.start()
 
     def submit(self, job: Job) -> None:

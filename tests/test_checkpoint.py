@@ -507,6 +507,6 @@ async def test_the_check_changes_nothing_outside_its_probe() -> None:
     # ... and the copy it loads into holds no real memory, tensor attributes included.
     model = nn.Linear(4, 2)
     model.table = torch.ones(1000)
-    probe = _checkpoint._on_meta(model)
+    probe = _checkpoint.on_meta(model)
     assert probe is not None
     assert {t.device.type for t in (probe.weight, probe.bias, probe.table)} == {"meta"}

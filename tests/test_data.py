@@ -3,7 +3,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 
 import anyio
 import pytest
@@ -88,6 +88,28 @@ class _FrozenMapping(Mapping):  # type: ignore[type-arg]
         return len(self._items)
 
 
+class _InnerDict(MutableMapping):  # type: ignore[type-arg]
+    """A mapping over a dict of its own (a shallow copy shares it)."""
+
+    def __init__(self, items: dict[str, object] | None = None, **more: object) -> None:
+        self.data = {**(items or {}), **more}
+
+    def __getitem__(self, key: str) -> object:
+        return self.data[key]
+
+    def __setitem__(self, key: str, value: object) -> None:
+        self.data[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self.data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.data)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
 def test_mapping_batches_keep_their_type_where_it_can_be_rebuilt() -> None:
     # A defaultdict (a collate_fn's) takes its factory first, not a dict: it is copied and
     # updated, keeping the factory, as torch's pin_memory does; a mapping that can be neither
@@ -108,6 +130,12 @@ def test_mapping_batches_keep_their_type_where_it_can_be_rebuilt() -> None:
     shards = split_batch(_FrozenMapping(x=torch.arange(4)), 2)
     assert [type(shard) for shard in shards] == [dict, dict]
     assert shards[1]["x"].tolist() == [2, 3]
+    # One that keeps its entries in an inner dict, which a copy shares: built anew, not
+    # copied and updated, which wrote every shard into the caller's batch.
+    inner = _InnerDict(x=torch.arange(4))
+    shards = split_batch(inner, 2)
+    assert [shard["x"].tolist() for shard in shards] == [[0, 1], [2, 3]]
+    assert inner["x"].tolist() == [0, 1, 2, 3]
 
 
 # -- where the data is read ----------------------------------------------------------------------

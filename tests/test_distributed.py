@@ -1378,3 +1378,10 @@ def test_settings_compared_across_ranks_leave_out_object_addresses() -> None:
     first, second = (_same_everywhere(repr([{"lr": 0.1, "rule": Rule()}])) for _ in range(2))
     assert first == second
     assert "0x" not in first
+    # A set's order follows its items' hashes, which differ between processes: sorted.
+    from asyncddp._dsteps import _plain
+
+    assert _plain({"tags": {"b", "a"}, "lrs": (torch.tensor(0.5), [{"c"}])}) == {
+        "tags": ["a", "b"],
+        "lrs": (0.5, [["c"]]),
+    }

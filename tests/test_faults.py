@@ -388,6 +388,87 @@ async def test_a_hung_step_holds_a_cancellation_or_a_failure_up_to_drain_timeout
     TRIED.append(f"hang, then {ends_by}/middle/1 of {devices}")
 
 
+async def test_an_undo_left_queued_behind_a_hung_job_that_fails_is_not_taken_for_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """cpu#1's optimizer step hangs past step_timeout; the undo queued behind it fails once
+    it runs (a broken device's would). It was taken for done, and the next fit trained on
+    replicas that differed; the next call now finds it failed and refuses."""
+    hung, release, undo_failed = threading.Event(), threading.Event(), threading.Event()
+
+    class HangingSGD(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:
+            ctx = asyncddp.current_worker()
+            if ctx is not None and ctx.device.index == 1 and ctx.step == 2 and not hung.is_set():
+                hung.set()
+                release.wait(10)
+            return super().step(closure)
+
+    abandon = asyncddp._jobs.Jobs.abandon
+
+    def failing_undo(self: Any, ctx: asyncddp.WorkerContext, work: Any) -> None:
+        if ctx.device.index == 1 and release.is_set() and not undo_failed.is_set():
+            undo_failed.set()
+            raise RuntimeError("injected: the undo failed on cpu#1")
+        abandon(self, ctx, work)
+
+    monkeypatch.setattr(asyncddp._jobs.Jobs, "abandon", failing_undo)
+    trainer = Trainer(
+        make_model(),
+        functools.partial(HangingSGD, lr=0.1, momentum=0.9),
+        step,
+        devices=cpu_devices(2),
+        step_timeout=0.3,
+        progress_bar=False,
+    )
+    close_without_waiting(trainer, monkeypatch)
+    try:
+        with (
+            pytest.raises(WorkerTimeoutError),
+            pytest.warns(RuntimeWarning, match=r"asyncddp-worker\[cpu#1\].*left behind"),
+        ):
+            await trainer.fit(make_batches(STEPS), epochs=1)
+    finally:
+        release.set()
+    for thread in trainer._stragglers:
+        thread.join(timeout=10.0)
+    assert undo_failed.is_set()
+    with pytest.raises(asyncddp.AsyncDDPError, match="or its undo failed"):
+        await trainer.fit(make_batches(STEPS), epochs=1)
+
+
+async def test_a_thread_left_behind_in_a_shared_module_holds_off_its_other_trainers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Trainer A's job hangs on cpu#0, whose replica is the module itself, and is left behind;
+    # trainer B, given the same module, trained meanwhile while the hung job could write.
+    model, release = make_model(), threading.Event()
+
+    def hangs(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        ctx = asyncddp.current_worker()
+        if ctx is not None and ctx.step == 2 and ctx.device.index == 0 and not release.is_set():
+            release.wait(10)
+        return step(model, batch)
+
+    first = Trainer(model, SGD, hangs, devices=cpu_devices(2), step_timeout=0.3, progress_bar=False)
+    close_without_waiting(first, monkeypatch)
+    second = Trainer(model, SGD, step, devices=cpu_devices(2), progress_bar=False)
+    try:
+        with (
+            pytest.raises(WorkerTimeoutError),
+            pytest.warns(RuntimeWarning, match="left behind"),
+        ):
+            await first.fit(make_batches(STEPS), epochs=1)
+        with pytest.raises(asyncddp.ConfigurationError, match="a thread its last call left"):
+            await second.fit(make_batches(STEPS), epochs=1)
+    finally:
+        release.set()
+    for thread in first._stragglers:
+        thread.join(timeout=10.0)
+    await second.fit(make_batches(STEPS), epochs=1)  # once it has returned
+    assert second.global_step == STEPS
+
+
 async def test_keyboard_interrupt_in_a_worker_reaches_the_caller() -> None:
     batches = make_batches(STEPS)
     interrupt = Armed(failing_step(step, device=0, at=3, error=KeyboardInterrupt()), step)

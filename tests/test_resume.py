@@ -447,3 +447,17 @@ async def test_a_checkpoint_after_the_loader_was_left_inside_next_resumes_exactl
     resumed = make_trainer(Recorder())
     await resumed.fit(augmented_loader(), epochs=2, resume=path)
     torch.testing.assert_close(parameters(resumed), expected, rtol=0, atol=0)
+
+
+def test_epoch_sums_saved_without_metric_counts_keep_them_over_the_items_so_far() -> None:
+    # A metric over every item so far is saved without its count; loaded, its count followed
+    # the items counted after it, and a metric the later steps did not return was diluted.
+    from asyncddp._jobs import Sums
+    from asyncddp._resume import _sums_dict
+
+    sums = Sums(8, 7.0, {"m": 8.0}, metric_items={"m": 8})
+    state = _sums_dict(sums)
+    assert "metric_items" not in state  # readable by versions without them
+    loaded = Sums(**state)
+    loaded.add(Sums(8, 7.0, {}))
+    assert loaded.means() == {"m": 1.0}

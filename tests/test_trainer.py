@@ -768,7 +768,7 @@ async def test_two_trainers_given_one_module_are_refused_a_call_at_the_same_time
     refused = [name for name, outcome in outcomes.items() if isinstance(outcome, Exception)]
     assert len(refused) == 1  # whichever started second
     error = outcomes[refused[0]]
-    assert "model is in a fit of another Trainer" in str(error)
+    assert "model is in use by another Trainer (in a fit)" in str(error)
     assert "copy.deepcopy(model)" in str(error)
     trained, waited = (second, first) if refused == ["first"] else (first, second)
     assert_replicas_identical(trained)
@@ -3122,3 +3122,21 @@ async def test_a_count_of_items_that_is_not_a_whole_number_is_a_clear_error(
     trainer = Trainer(make_model(), SGD, step, devices=cpu_devices(2), progress_bar=False)
     with pytest.raises(StepOutputError, match=message):
         await trainer.fit(make_batches([4]), epochs=1)
+
+
+async def test_fp16_accumulation_weighs_a_small_first_batch_by_the_last_steps_total() -> None:
+    # Micro-batches of 1 then 255 items: weighted against the first one's items times the
+    # accumulation, each 255-item one came 128 times GradScaler's weight, and 3 steps of 4
+    # overflowed. Against the last step's total, only the first step's may.
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        precision="fp16",
+        accumulate_grad_batches=2,
+        progress_bar=False,
+    )
+    result = await trainer.fit(make_batches([1, 255] * 6), epochs=1)
+    assert result.global_step == 6
+    assert trainer._scaler is not None
+    assert trainer._scaler.scale >= 2.0**15  # at most the first step skipped
