@@ -83,14 +83,16 @@ def assert_params(trainer: Trainer, expected: nn.Module) -> None:
             )
 
 
-def close_without_waiting(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> None:
+def close_without_waiting(
+    trainer: Trainer, monkeypatch: pytest.MonkeyPatch, drain_timeout: float = 0.05
+) -> None:
     """Make the trainer's schedulers give up on a hung job at once when they close (instead
     of waiting drain_timeout, 10 s): its thread is left behind."""
     new_scheduler = trainer._new_scheduler
 
     def scheduler_that_waits_little() -> asyncddp.StepScheduler:
         scheduler = new_scheduler()
-        scheduler.drain_timeout = 0.05
+        scheduler.drain_timeout = drain_timeout
         return scheduler
 
     monkeypatch.setattr(trainer, "_new_scheduler", scheduler_that_waits_little)
@@ -351,14 +353,7 @@ async def test_a_hung_step_holds_a_cancellation_or_a_failure_up_to_drain_timeout
     trainer = Trainer(
         make_model(), SGD, hangs_once, devices=cpu_devices(devices), progress_bar=False
     )
-    new_scheduler = trainer._new_scheduler
-
-    def drains_briefly() -> asyncddp.StepScheduler:
-        scheduler = new_scheduler()
-        scheduler.drain_timeout = 0.5
-        return scheduler
-
-    monkeypatch.setattr(trainer, "_new_scheduler", drains_briefly)
+    close_without_waiting(trainer, monkeypatch, drain_timeout=0.5)  # and drain briefly
 
     async def fit_until_hung_then_end() -> None:
         async def fit() -> None:
