@@ -297,7 +297,7 @@ class DistributedSteps(Steps):
                 items=sums.items,
                 loss=sums.loss,
                 metrics=sums.metrics,
-                metric_items={name: sums.item_count(name) for name in sums.metrics},
+                metric_items=sums.metric_items,
                 active=active,
                 stop=stop,
                 counted=sums.counted,

@@ -55,8 +55,8 @@ class Sums:
     ``used`` is a bit mask of the parameters that got a gradient (training only). ``counted``:
     the items are the counts the step gave (its ``"items"``), not the shards' sizes.
     ``metric_items``: the items behind each metric's sum, those of the shards whose step
-    returned it (a step may return a metric on some shards or steps only); a metric without
-    an entry (kept in a checkpoint before they were) is over every item.
+    returned it (a step may return a metric on some shards or steps only); one for every
+    metric, by default ``items`` (a shard's metrics, or a checkpoint's saved without them).
     """
 
     items: int = 0
@@ -67,14 +67,14 @@ class Sums:
     metric_items: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # A metric without a count (a checkpoint's, saved where every metric was over every
-        # item) is over the items counted so far, not over those counted after it.
+        # Over every item unless told otherwise: a shard's metrics, and a checkpoint's saved
+        # without counts (over the items counted then, not over those counted after).
         for name in self.metrics:
             self.metric_items.setdefault(name, self.items)
 
     def add(self, other: Sums) -> None:
-        for name in other.metrics:
-            self.metric_items[name] = self.item_count(name) + other.item_count(name)
+        for name, count in other.metric_items.items():
+            self.metric_items[name] = self.metric_items.get(name, 0) + count
         self.items += other.items
         self.loss += other.loss
         for name, value in other.metrics.items():
@@ -82,19 +82,13 @@ class Sums:
         self.used |= other.used
         self.counted |= other.counted
 
-    def item_count(self, metric: str) -> int:
-        """The items behind ``metric``'s sum (0 where it was never returned)."""
-        if metric not in self.metrics:
-            return 0
-        return self.metric_items.get(metric, self.items)
-
     def means(self) -> dict[str, float]:
         """Each metric's mean over the items of the shards that returned it (none for a
         metric that only shards of no item returned: a mean over nothing)."""
         return {
             name: total / count
             for name, total in self.metrics.items()
-            if (count := self.item_count(name))
+            if (count := self.metric_items[name])
         }
 
 
@@ -319,13 +313,7 @@ class Jobs:
         if counted == 0:
             # Nothing to average over (every token of the shard is padding): the shard adds no
             # gradient, and its loss (a mean over nothing, often NaN) counts for nothing.
-            return Sums(
-                0,
-                0.0,
-                dict.fromkeys(metrics, 0.0),
-                counted=True,
-                metric_items=dict.fromkeys(metrics, 0),
-            )
+            return Sums(0, 0.0, dict.fromkeys(metrics, 0.0), counted=True)
         on_host = None
         if early_read and ctx.stream is not None:
             on_host = _OnHost.behind_forward(ctx, loss, metrics)
@@ -364,7 +352,6 @@ class Jobs:
             {k: _number(v) * items for k, v in metrics.items()},
             replica.used_mask(),
             counted is not None,
-            dict.fromkeys(metrics, items),
         )
 
     def validate(self, ctx: WorkerContext, work: tuple[Any, int]) -> Sums:
@@ -382,7 +369,6 @@ class Jobs:
             float(loss) * items,
             {k: _number(v) * items for k, v in metrics.items()},
             counted=counted is not None,
-            metric_items=dict.fromkeys(metrics, items),
         )
 
     def reduce(self, ctx: WorkerContext, work: tuple[float, bool, bool]) -> tuple[float, bool]:
@@ -675,7 +661,7 @@ def exchange_gradients(
         items=local.items,
         loss=local.loss,
         metrics=local.metrics,
-        metric_items={name: local.item_count(name) for name in local.metrics},
+        metric_items=local.metric_items,
         active=work.active,
         stop=work.stop(),
         used=used,

@@ -212,7 +212,7 @@ def _sums_dict(sums: Sums) -> dict[str, Any]:
     state = dataclasses.asdict(sums)
     if not sums.counted:
         del state["counted"]  # as before counts existed: readable by versions without them
-    if all(sums.item_count(name) == sums.items for name in sums.metrics):
+    if all(count == sums.items for count in sums.metric_items.values()):
         del state["metric_items"]  # every metric over every item: as before, likewise
     return state
 
