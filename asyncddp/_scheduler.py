@@ -331,14 +331,12 @@ class StepScheduler:
             # their threads together outnumber the cores: libgomp then stops busy-waiting
             # between ops, and every op of a step waits for its threads to wake (see _openmp).
             release_idle_threads()
+        # Read once for them all: what the CPU workers put back in torch's global count.
+        count = new_threads_count() if cpu_workers else None
         workers = tuple(
-            DeviceWorker(device, threads=None if device.is_cuda else share)
+            DeviceWorker(device, threads=None if device.is_cuda else share, global_threads=count)
             for device in self.devices
         )
-        if cpu_workers:  # what the workers put back in torch's global count (_set_own_threads)
-            count = new_threads_count()
-            for worker in workers:
-                worker._callers_threads = count
         started: list[DeviceWorker] = []
         try:
             for worker in workers:
@@ -687,8 +685,7 @@ class StepScheduler:
                 return None  # it settled after the wait gave up: report what happened
             state.cancel_locked()
             late = [index for index, done in enumerate(state.finished) if not done]
-            for index in late:
-                self._outlived[index] = state.finished
+        self._outlive(state)
         assert self.step_timeout is not None
         errors = [
             WorkerTimeoutError(

@@ -22,7 +22,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -144,16 +144,24 @@ def _cpu_worker_slice() -> float | None:
     return _sched.WORKER_SLICE_MS
 
 
+T = TypeVar("T")
+
+
+def _on_a_new_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, called on a thread started for it and joined."""
+    out: list[T] = []
+    thread = threading.Thread(
+        target=lambda: out.append(fn(*args)), name="asyncddp-threads", daemon=True
+    )
+    thread.start()
+    thread.join()
+    return out[0]
+
+
 def new_threads_count() -> int:
     """The intra-op thread count a thread started now would run with: torch's global (see
     `_set_own_threads`), which the calling thread's own count may differ from."""
-    seen: list[int] = []
-    reader = threading.Thread(
-        target=lambda: seen.append(torch.get_num_threads()), name="asyncddp-threads", daemon=True
-    )
-    reader.start()
-    reader.join()
-    return seen[0]
+    return _on_a_new_thread(torch.get_num_threads)
 
 
 def _set_own_threads(threads: int, callers: int) -> None:
@@ -170,12 +178,7 @@ def _set_own_threads(threads: int, callers: int) -> None:
     torch.set_num_threads(threads)
     torch.get_num_threads()
     torch.set_num_threads(threads)
-    if callers > 0:
-        restore = threading.Thread(
-            target=torch.set_num_threads, args=(callers,), name="asyncddp-threads", daemon=True
-        )
-        restore.start()
-        restore.join()
+    _on_a_new_thread(torch.set_num_threads, callers)
 
 
 class DeviceWorker:
@@ -190,9 +193,13 @@ class DeviceWorker:
         device: The device to run jobs for.
         threads: Intra-op threads for this worker's CPU ops (``torch.set_num_threads`` is
             per thread); ``None`` keeps torch's default.
+        global_threads: torch's global thread count to put back once the worker has its own
+            (`new_threads_count`, read by ``start`` when not given).
     """
 
-    def __init__(self, device: Device, *, threads: int | None = None) -> None:
+    def __init__(
+        self, device: Device, *, threads: int | None = None, global_threads: int | None = None
+    ) -> None:
         self.device = device
         self.threads = threads
         self.stream: torch.cuda.Stream | None = None
@@ -205,7 +212,8 @@ class DeviceWorker:
             target=self._main, name=f"asyncddp-worker[{device.name}]", daemon=True
         )
         self._slice_ms: float | None = None  # the scheduler slice to ask for (see start)
-        self._callers_threads = 0  # the starting thread's torch.get_num_threads() (see start)
+        # torch's global thread count to put back once this worker has its own (see start).
+        self._global_threads = global_threads
 
     @property
     def thread(self) -> threading.Thread:
@@ -216,8 +224,8 @@ class DeviceWorker:
         """Start the thread. It sets up its device (and stream) before its first job."""
         if self.device.type == "cpu":
             self._slice_ms = _cpu_worker_slice()
-        if self.threads is not None and not self._callers_threads:
-            self._callers_threads = new_threads_count()
+        if self.threads is not None and self._global_threads is None:
+            self._global_threads = new_threads_count()
         self._thread.start()
 
     def submit(self, job: Job) -> None:
@@ -274,7 +282,8 @@ class DeviceWorker:
             _sched.prefer_throughput(self._slice_ms)  # never raises
         try:
             if self.threads is not None:
-                _set_own_threads(self.threads, self._callers_threads)
+                assert self._global_threads is not None  # read in start()
+                _set_own_threads(self.threads, self._global_threads)
             if self.device.is_cuda:
                 # The current device and the current stream are both per-thread: set them once.
                 torch.cuda.set_device(self.device.torch_device)
