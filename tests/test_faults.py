@@ -98,6 +98,21 @@ def close_without_waiting(
     monkeypatch.setattr(trainer, "_new_scheduler", scheduler_that_waits_little)
 
 
+def join_stragglers(trainer: Trainer) -> None:
+    """Wait for the threads the trainer's calls left behind (their hung jobs released)."""
+    for thread in trainer._stragglers:
+        thread.join(timeout=30.0)
+
+
+async def trains_on_exactly_once_returned(trainer: Trainer, batches: list[Any]) -> None:
+    """Once the left-behind threads have returned, the next fit ends the epoch exactly as an
+    uninterrupted one."""
+    join_stragglers(trainer)
+    await trainer.fit(batches, epochs=1)
+    assert trainer.global_step == STEPS
+    assert_params(trainer, plain_loop([[b] for b in batches]))
+
+
 class Armed:
     """Calls the faulty function until disarmed, then the clean one."""
 
@@ -314,11 +329,7 @@ async def test_a_job_left_behind_by_a_timeout_blocks_the_next_call_until_it_retu
             assert [t.name for t in refused.value.threads] == ["asyncddp-worker[cpu#1]"]  # type: ignore[attr-defined]
     finally:
         release.set()
-    for thread in trainer._stragglers:
-        thread.join(timeout=10.0)
-    await trainer.fit(batches, epochs=1)
-    assert trainer.global_step == STEPS
-    assert_params(trainer, plain_loop([[b] for b in batches]))
+    await trains_on_exactly_once_returned(trainer, batches)
     TRIED.append("hang past the drain, left behind/middle/1 of 2")
 
 
@@ -375,11 +386,7 @@ async def test_a_hung_step_holds_a_cancellation_or_a_failure_up_to_drain_timeout
         assert trainer.global_step == 2
     finally:
         release.set()
-    for thread in trainer._stragglers:
-        thread.join(timeout=30.0)
-    await trainer.fit(batches, epochs=1)
-    assert trainer.global_step == STEPS
-    assert_params(trainer, plain_loop([[b] for b in batches]))
+    await trains_on_exactly_once_returned(trainer, batches)
     TRIED.append(f"hang, then {ends_by}/middle/1 of {devices}")
 
 
@@ -425,8 +432,7 @@ async def test_an_undo_left_queued_behind_a_hung_job_that_fails_is_not_taken_for
             await trainer.fit(make_batches(STEPS), epochs=1)
     finally:
         release.set()
-    for thread in trainer._stragglers:
-        thread.join(timeout=10.0)
+    join_stragglers(trainer)
     assert undo_failed.is_set()
     with pytest.raises(asyncddp.AsyncDDPError, match="or its undo failed"):
         await trainer.fit(make_batches(STEPS), epochs=1)
@@ -458,8 +464,7 @@ async def test_a_thread_left_behind_in_a_shared_module_holds_off_its_other_train
             await second.fit(make_batches(STEPS), epochs=1)
     finally:
         release.set()
-    for thread in first._stragglers:
-        thread.join(timeout=10.0)
+    join_stragglers(first)
     await second.fit(make_batches(STEPS), epochs=1)  # once it has returned
     assert second.global_step == STEPS
 
