@@ -705,8 +705,6 @@ class Trainer(Resumable):
         """Worker threads for one fit, validate or checkpoint call."""
         self._refuse_if_running()
         self._stragglers = [thread for thread in self._stragglers if thread.is_alive()]
-        if not self._stragglers:
-            self._check_queued_undos()
         if self._stragglers:
             names = ", ".join(thread.name for thread in self._stragglers)
             error = AsyncDDPError(
@@ -719,6 +717,7 @@ class Trainer(Resumable):
             )
             error.threads = list(self._stragglers)  # type: ignore[attr-defined]
             raise error
+        self._check_queued_undos()  # their threads have exited
         if not self._consistent:
             raise AsyncDDPError(
                 "a failed optimizer step left the replicas different from each other "
@@ -924,7 +923,7 @@ def _check_data(data: Iterable[Any], name: str, passes: int) -> None:
         raise DataError(
             f"{name} is a tensor of shape {tuple(data.shape)}: iterated, it gives its rows, "
             "one sample each, not batches. Pass a list of batches, or "
-            f"torch.utils.data.DataLoader(TensorDataset(inputs, targets), batch_size=...)"
+            "torch.utils.data.DataLoader(TensorDataset(inputs, targets), batch_size=...)"
         )
     kind: type = type(data)  # a type, not narrowed: mypy finds Iterable and Dataset at odds
     if issubclass(kind, torch.utils.data.Dataset) and getattr(kind, "__iter__", None) is None:
