@@ -443,7 +443,12 @@ class Epochs(DistributedSteps):
 
     async def _validate(self, data: Iterable[Any], *, epoch: int | None) -> dict[str, float]:
         jobs = self._jobs()
-        modes = [replica.model.training for replica in self._replicas]
+        # Each module's own mode, restored as it was: train(mode) on the root would also put
+        # back in training a submodule the user froze with eval() (a fine-tuned BatchNorm).
+        modes = [
+            [(module, module.training) for module in replica.model.modules()]
+            for replica in self._replicas
+        ]
         for replica in self._replicas:
             replica.model.eval()
         totals, pending = Sums(), []
@@ -459,8 +464,9 @@ class Epochs(DistributedSteps):
                 if pending:
                     await self._validate_step(jobs, pending, totals, epoch)
         finally:
-            for replica, mode in zip(self._replicas, modes, strict=True):
-                replica.model.train(mode)
+            for replica_modes in modes:
+                for module, mode in replica_modes:
+                    module.training = mode
         if self._distributed():  # exact over every rank's items
             result = await self._exchange(
                 _comm.VALIDATION,

@@ -61,6 +61,7 @@ class Replica:
         self.built_params = tuple(model.parameters())
         self.built_modules = sum(1 for _ in model.modules())
         self.built_buffers = _buffer_kinds(model)
+        self.built_layouts = [_layout(p) for p in self.built_params]
         self.buffers = list(model.buffers())
         self.grads = FlatGrads(self.params, 1, 0, loose=True)  # until regroup() says
         self.backup = StepBackup()
@@ -152,12 +153,17 @@ def check_rebuilt(first: Replica) -> None:
     names = {id(p): name for name, p in first.model.named_parameters()}
     if len(now) != len(built):
         _refuse(f"it had {len(built)} parameters, and has {len(now)} now")
-    for param, was in zip(now, built, strict=True):
+    for param, was, layout in zip(now, built, first.built_layouts, strict=True):
         if param is was:
+            if _layout(param) != layout:  # cast in place: model.double(), .half()
+                _refuse(
+                    f"{names[id(param)]} was cast or resized in place (model.double(), "
+                    ".half(), .to(...)): cast the model before building its Trainer"
+                )
             continue
         if id(was) in trained:
             _refuse(f"{names[id(param)]} is another parameter now (a trained one)")
-        if (param.shape, param.dtype, param.device) != (was.shape, was.dtype, was.device):
+        if _layout(param) != layout:
             _refuse(
                 f"{names[id(param)]} is another parameter now, of another shape, dtype or device"
             )
@@ -180,6 +186,10 @@ def check_rebuilt(first: Replica) -> None:
 
 def _buffer_kinds(model: nn.Module) -> list[tuple[tuple[int, ...], torch.dtype]]:
     return [(tuple(b.shape), b.dtype) for b in model.buffers()]
+
+
+def _layout(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device]:
+    return tensor.shape, tensor.dtype, tensor.device
 
 
 def _refuse(what: str) -> NoReturn:

@@ -128,6 +128,24 @@ async def test_eval_mode_set_between_fits_holds_on_every_device() -> None:
     assert [r.model.training for r in trainer._replicas] == [False, False]
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_validation_keeps_a_submodule_frozen_in_eval_mode_frozen(devices: int) -> None:
+    # Fine-tuning with a BatchNorm frozen: validation must put back each module's own mode,
+    # not train() the whole model (which set the BatchNorm training again, silently).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, 16), nn.BatchNorm1d(16), nn.Linear(16, 3))
+    model[1].eval()
+    batches = make_batches([8, 8])
+    trainer = trainer_on(devices, model)
+    await trainer.fit(batches, epochs=1, valid_data=batches)
+    await trainer.validate(batches)
+    for replica in trainer._replicas:
+        assert [m.training for m in replica.model] == [True, False, True], replica.device
+    stats = model[1].running_mean.clone()
+    await trainer.fit(batches, epochs=2)
+    assert torch.equal(trainer.model[1].running_mean, stats)  # a frozen BatchNorm learns none
+
+
 async def test_validation_after_weights_are_loaded_scores_those_weights_on_every_device() -> None:
     batches = make_batches([7, 6])
     trainer = trainer_on(3, make_model())
@@ -230,6 +248,22 @@ async def test_a_frozen_parameter_swapped_for_one_of_its_shape_reaches_every_dev
         ConfigurationError, match=r"0\.weight is another parameter now, of another shape"
     ):
         await trainer.fit(make_batches([4]), epochs=3)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_a_model_cast_in_place_between_fits_is_refused_before_any_step(devices: int) -> None:
+    # .double() keeps each Parameter object and swaps its data: on two devices the second
+    # replica trained on in float32 while trainer.model was float64, and the replicas parted.
+    batches = make_batches([4])
+    trainer = trainer_on(devices, make_model())
+    await trainer.fit(batches, epochs=1)
+    trainer.model.double()
+    with pytest.raises(ConfigurationError, match=r"0\.weight was cast or resized in place"):
+        await trainer.fit(batches, epochs=2)
+    assert trainer.global_step == 1
+    trainer.model.float()
+    await trainer.fit(batches, epochs=2)
+    assert trainer.global_step == 2
 
 
 @pytest.mark.parametrize("devices", [1, 2])
