@@ -278,6 +278,7 @@ class Epochs(DistributedSteps):
                     await self._step(window, epoch, final, tracker, tracked, bar)
                     if final:
                         window = Window()
+                        await self._hub.settle()  # a stop() from a StepEnded consumer
                         if self._should_stop():
                             # Stopped: the epoch is over only if the data is used up too,
                             # which is not waited for (see _used_up).

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import anyio
+import anyio.lowlevel
 
 from ._progress import Progress
 
@@ -214,6 +215,7 @@ class EventHub:
         self._maxlen = maxlen
         self._streams: weakref.WeakSet[EventStream] = weakref.WeakSet()
         self._waiting: set[EventStream] = set()  # consumers waiting in __anext__
+        self._woke = False  # a publish woke a waiting consumer that has not run yet
 
     def subscribe(self, maxlen: int | None = None) -> EventStream:
         stream = EventStream(self, maxlen or self._maxlen)
@@ -226,3 +228,16 @@ class EventHub:
     def publish(self, event: Event) -> None:
         for stream in tuple(self._streams):
             stream._push(event)
+        if self._waiting:
+            self._woke = True
+
+    async def settle(self) -> None:
+        """Let the consumers the last events woke run up to their next ``await``, so that a
+        ``stop()`` called straight from one (``if event.loss < 0.1: trainer.stop()``) is seen
+        at the step boundary it was meant for. Never waits on a consumer: two turns of the
+        loop (two, as trio may run the two woken tasks in either order), and none when no
+        consumer was woken. Not a cancellation point."""
+        if self._woke:
+            self._woke = False
+            await anyio.lowlevel.cancel_shielded_checkpoint()
+            await anyio.lowlevel.cancel_shielded_checkpoint()

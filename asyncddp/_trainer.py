@@ -413,7 +413,9 @@ class Trainer(Resumable):
         at once, and one that cannot tell, without reading on, whether the epoch's data is used
         up leaves the epoch open for the next fit to close (see docs/cancellation.md).
 
-        Safe to call from any task on the event loop, or from an event handler. It is for the
+        Safe to call from any task on the event loop, or from an event consumer: called from
+        the consumer of a ``StepEnded``, ``EpochEnded`` or ``ValidationEnded`` before its first
+        ``await``, it takes effect before any further step. It is for the
         fit running now: a ``fit`` clears any earlier stop when it starts, so a stop called
         before a fit's task has begun to run (just after ``asyncio.create_task(fit(...))``,
         say) is lost; stop it once it runs (after its ``FitStarted`` event, for example).
@@ -535,6 +537,7 @@ class Trainer(Resumable):
                     if not self._epoch_trained and not await self._train_epoch(train_data, epochs):
                         break  # stop() in mid-epoch
                     history.append(await self._end_epoch(valid_data))
+                    await self._hub.settle()  # a stop() from an EpochEnded consumer, say
                     if self._stopping():
                         break
                 if self._comm is not None:  # the ranks end together; a late failure is heard

@@ -796,12 +796,40 @@ async def test_stop_ends_fit_at_the_next_step_and_fit_continues_from_there() -> 
     first = await fit_until_stopped(trainer, batches, epochs=2, at_step=2, reason="enough for now")
     assert first.stopped
     assert first.stop_reason == "enough for now"
-    assert 3 <= first.global_step < 10
+    assert first.global_step == 3  # stop() from the consumer of step 2's StepEnded: no step 3
     assert_replicas_identical(trainer)
     rest = await trainer.fit(batches, epochs=2)
     assert not rest.stopped
     assert rest.global_step == 10
     assert_close(trainer.model, expected)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("on", [EpochEnded, ValidationEnded])
+async def test_stop_from_an_epoch_end_consumer_runs_no_step_of_the_next_epoch(
+    devices: int, on: type
+) -> None:
+    # Early stopping on an event: the returned model is the one validated, and no step of the
+    # next epoch ran (it did: the consumer ran only once the next step was under way).
+    batches = make_batches([3] * 5)
+    trainer = Trainer(
+        make_model(), SGD, loss_step, devices=cpu_devices(devices), progress_bar=False
+    )
+    stream = trainer.events()
+    seen: list[float] = []
+
+    async def early_stopping() -> None:
+        async for event in stream:
+            if isinstance(event, on):
+                seen.append(event.metrics["loss"] if on is ValidationEnded else 0.0)
+                trainer.stop("early stopping")  # no await before it
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(early_stopping)
+        result = await trainer.fit(batches, epochs=3, valid_data=batches)
+    assert (result.epoch, result.global_step, result.stopped) == (1, 5, True)
+    if on is ValidationEnded:
+        assert (await trainer.validate(batches))["loss"] == seen[0]
 
 
 @pytest.mark.parametrize("devices", [1, 2])
