@@ -33,6 +33,7 @@ from ._jobs import Jobs, Sums, check_counts
 from ._loader import ENDED, GAVE_UP, Prefetcher, after_left_behind
 from ._progress import ProgressTracker
 from ._ranks import batch_count, in_memory, rank_items_total_off_loop
+from ._replica import Replica
 from ._steps import Window, shard_items
 
 __all__ = ["EpochRecord", "Epochs"]
@@ -90,6 +91,7 @@ class Epochs(DistributedSteps):
     _last_iterator: Callable[[], Any] | None
     _cancelled_in_step: BaseException | None
     _batches_world: int  # how many processes counted _batches_done (each its own)
+    _checkpoint_owed: bool  # the last closed epoch's checkpoint is not written yet
 
     async def _save_epoch_checkpoint(self) -> None:
         raise NotImplementedError
@@ -430,17 +432,25 @@ class Epochs(DistributedSteps):
                     warnings.filterwarnings(
                         "ignore", "Detected call of `lr_scheduler.step", UserWarning
                     )
-                    for replica in self._replicas:  # plain Python on floats: no tensor work
-                        if replica.scheduler is not None:
-                            replica.scheduler.step()
+                    _step_schedulers(self._replicas)
             self.history.append(record)
             self.epoch += 1
             self._batches_done, self._epoch_rng, self._epoch_trained = 0, None, False
             self._batches_loaded, self._left_loading = None, None
             self._epoch_sums, self._epoch_items, self._epoch_seconds = Sums(), {}, 0.0
-        if self.checkpoint_dir is not None and (self._comm is None or self._comm.rank == 0):
-            await self._save_epoch_checkpoint()  # across ranks: rank 0 writes
+            # Across ranks, rank 0 writes. Owed until written: a fit cancelled, or a write
+            # that failed, leaves it to the next fit, which writes it before it trains.
+            self._checkpoint_owed = self.checkpoint_dir is not None and (
+                self._comm is None or self._comm.rank == 0
+            )
+        await self._pay_checkpoint()
         return record
+
+    async def _pay_checkpoint(self) -> None:
+        """Write the epoch checkpoint a closed epoch still owes (see `_end_epoch`)."""
+        if self._checkpoint_owed:
+            await self._save_epoch_checkpoint()
+            self._checkpoint_owed = False
 
     async def _validate(self, data: Iterable[Any], *, epoch: int | None) -> dict[str, float]:
         jobs = self._jobs()
@@ -557,3 +567,25 @@ def _interactive() -> bool:
 
 def _format(metrics: Mapping[str, float]) -> str:
     return ", ".join(f"{name}={value:.6g}" for name, value in metrics.items())
+
+
+def _step_schedulers(replicas: list[Replica]) -> None:
+    """Step every replica's per-epoch LR scheduler, or none: one that raises (a ``LambdaLR``
+    whose function fails) would leave the replicas' schedules, and so their learning rates,
+    apart. torch's ``step()`` counts the epoch before it computes the rates, so the ones
+    stepped, the failed one included, are put back as they were, their optimizers' rates too.
+    Plain Python on floats: no tensor work."""
+    stepped: list[tuple[Any, dict[str, Any], list[Any]]] = []
+    try:
+        for replica in replicas:
+            scheduler = replica.scheduler
+            if scheduler is not None:
+                rates = [group["lr"] for group in replica.optimizer.param_groups]
+                stepped.append((replica, scheduler.state_dict(), rates))
+                scheduler.step()
+    except BaseException:
+        for replica, state, rates in stepped:
+            replica.scheduler.load_state_dict(state)
+            for group, rate in zip(replica.optimizer.param_groups, rates, strict=True):
+                group["lr"] = rate
+        raise

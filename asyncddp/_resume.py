@@ -93,6 +93,7 @@ class Resumable(Epochs):
         # loader has them.
         self._loader_rng = self._resumed_loader_rng = state.get("loader_rng")
         self._epoch_trained = bool(state.get("epoch_trained", False))
+        self._checkpoint_owed = False  # of the state this one replaces
         self._epoch_sums = Sums(**state["epoch_sums"]) if state.get("epoch_sums") else Sums()
         self._epoch_items = dict(state.get("epoch_items") or {})
         self._epoch_seconds = float(state.get("epoch_seconds", 0.0))

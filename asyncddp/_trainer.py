@@ -338,6 +338,7 @@ class Trainer(Resumable):
         self._epoch_items: dict[str, int] = {}  # items of the epoch so far, by device
         self._epoch_seconds = 0.0
         self._epoch_trained = False  # all batches done; validation and the epoch's end pending
+        self._checkpoint_owed = False  # the epoch closed, its checkpoint not written yet
         self._replicas: list[Replica] = []
         self._pending_state: dict[str, Any] | None = None
         # Worker threads an earlier call left behind in a job (see _session).
@@ -533,6 +534,7 @@ class Trainer(Resumable):
                 self._hub.publish(
                     FitStarted(epochs, self.epoch, tuple(d.name for d in self.devices), total)
                 )
+                await self._pay_checkpoint()  # the last fit was cancelled as it wrote it
                 while self.epoch < epochs:
                     if not self._epoch_trained and not await self._train_epoch(train_data, epochs):
                         break  # stop() in mid-epoch

@@ -653,6 +653,37 @@ async def test_a_tensor_learning_rate_in_the_factory_decays_once_a_step_on_every
     assert_replicas_identical(trainer)
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_a_per_epoch_lr_scheduler_that_raises_leaves_every_replica_as_it_was(
+    devices: int,
+) -> None:
+    # torch's step() counts the epoch before it computes the rates: the first replica's
+    # scheduler had moved on, and each next fit stepped it again, so the devices' learning
+    # rates parted (on one device too, a schedule one epoch ahead).
+    factors = [1.0]  # too short: the first epoch's end raises IndexError
+
+    def schedule(optimizer: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: factors[epoch])
+
+    batches = make_batches([4, 4])
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(devices),
+        lr_scheduler=schedule,
+        progress_bar=False,
+    )
+    with pytest.raises(IndexError):
+        await trainer.fit(batches, epochs=3)
+    assert [r.scheduler.last_epoch for r in trainer._replicas] == [0] * devices
+    assert [r.optimizer.param_groups[0]["lr"] for r in trainer._replicas] == [0.1] * devices
+    factors.extend([0.5, 0.25, 0.125])  # the cause is gone
+    await trainer.fit(batches, epochs=3)
+    assert_close(trainer.model, reference(batches, 3, SGD, scheduler=schedule))
+    assert_replicas_identical(trainer)
+
+
 async def test_an_optimizer_factory_may_read_its_parameters_twice() -> None:
     # Decay and no-decay groups: the factory got a generator, and the second group was empty.
     def grouped(params: Any) -> torch.optim.Optimizer:
@@ -1281,6 +1312,66 @@ async def test_resume_latest_from_the_checkpoint_dir(tmp_path: Any) -> None:
     assert [r.epoch for r in result.history] == [2]
     assert [r.epoch for r in again.history] == [0, 1, 2]
     assert_close(again.model, reference(batches, 3, SGD))
+
+
+async def test_an_epoch_checkpoint_a_fit_failed_to_write_is_written_by_the_next_fit(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The epoch was closed before its checkpoint was written: a failed write (a full disk)
+    # or a cancellation there lost it for good, and resume="latest" went back an epoch.
+    batches = make_batches([4, 4])
+    save = asyncddp._checkpoint.save
+    failures = [OSError(28, "No space left on device")]
+
+    def failing_save(state: Any, path: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return save(state, path)
+
+    monkeypatch.setattr(asyncddp._checkpoint, "save", failing_save)
+    trainer = checkpointing_trainer(tmp_path)
+    stream = trainer.events()
+    with pytest.raises(OSError, match="No space left"):
+        await trainer.fit(batches, epochs=2)
+    assert (trainer.epoch, list(tmp_path.iterdir())) == (1, [])
+    with pytest.warns(UserWarning, match="trains nothing"):
+        result = await trainer.fit(batches, epochs=1)  # it still writes the one owed
+    assert result.global_step == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["epoch0001-step000002.ckpt"]
+    saved = [e async for e in stream if isinstance(e, CheckpointSaved)]
+    assert [(e.epoch, e.step) for e in saved] == [(1, 2)]
+    await trainer.fit(batches, epochs=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "epoch0001-step000002.ckpt",
+        "epoch0002-step000004.ckpt",
+    ]
+    again = checkpointing_trainer(tmp_path, seed=5)
+    await again.fit(batches, epochs=2, resume=tmp_path / "epoch0001-step000002.ckpt")
+    assert_close(again.model, reference(batches, 2, SGD))
+
+
+async def test_an_epoch_checkpoint_a_cancelled_fit_did_not_write_is_written_by_the_next(
+    tmp_path: Any,
+) -> None:
+    batches = make_batches([4, 4])
+    trainer = checkpointing_trainer(tmp_path)
+    stream = trainer.events()
+    async with anyio.create_task_group() as group:
+        with anyio.CancelScope() as scope:
+
+            async def cancel_at_validation_end() -> None:
+                async for event in stream:
+                    if isinstance(event, ValidationEnded):
+                        scope.cancel()  # the fit goes on to close the epoch and write
+
+            group.start_soon(cancel_at_validation_end)
+            await trainer.fit(batches, epochs=2, valid_data=batches)
+    assert trainer.epoch == 1
+    await trainer.fit(batches, epochs=2, valid_data=batches)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "epoch0001-step000002.ckpt",
+        "epoch0002-step000004.ckpt",
+    ]
 
 
 async def test_resume_latest_with_no_checkpoint_yet_warns_and_starts_from_scratch(
