@@ -92,6 +92,7 @@ class Epochs(DistributedSteps):
     _cancelled_in_step: BaseException | None
     _batches_world: int  # how many processes counted _batches_done (each its own)
     _checkpoint_owed: bool  # the last closed epoch's checkpoint is not written yet
+    _items_trained: int  # by every step this trainer took, in all its calls
 
     async def _save_epoch_checkpoint(self) -> None:
         raise NotImplementedError
@@ -363,6 +364,7 @@ class Epochs(DistributedSteps):
             lr = await self._run_step(window, epoch, final=True)
             self._batches_done += window.batch_count
             self._epoch_sums.add(window.sums)
+            self._items_trained += window.sums.items  # for FitResult.items_per_second
             for name, count in window.device_items.items():
                 self._epoch_items[name] = self._epoch_items.get(name, 0) + count
             taken = window.sums.items > 0  # else nothing to learn from: no step was taken

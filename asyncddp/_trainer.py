@@ -107,7 +107,9 @@ class FitResult:
         global_step: Optimizer steps taken so far in all.
         stopped: Whether ``stop()`` ended the fit early.
         stop_reason: The reason given to ``stop()``.
-        items_per_second: Training items over the whole call's time (validation included).
+        items_per_second: The items this call trained on, over the whole call's time
+            (validation, checkpoints and the call's start included), whether or not it
+            completed an epoch: of an epoch begun by an earlier call, this call's part.
     """
 
     history: tuple[EpochRecord, ...]
@@ -339,6 +341,7 @@ class Trainer(Resumable):
         self._epoch_seconds = 0.0
         self._epoch_trained = False  # all batches done; validation and the epoch's end pending
         self._checkpoint_owed = False  # the epoch closed, its checkpoint not written yet
+        self._items_trained = 0  # by every step taken, in all calls (items_per_second)
         self._replicas: list[Replica] = []
         self._pending_state: dict[str, Any] | None = None
         # Worker threads an earlier call left behind in a job (see _session).
@@ -493,7 +496,7 @@ class Trainer(Resumable):
         self._stop_reason = None
         self._stop_agreed = False
         history: list[EpochRecord] = []
-        started = time.perf_counter()
+        started, items_before = time.perf_counter(), self._items_trained
         try:
             if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
                 raise ConfigurationError(f"epochs must be an int >= 1, got {epochs!r}")
@@ -558,7 +561,7 @@ class Trainer(Resumable):
         stopped = self._stopping()
         self._hub.publish(FitEnded(self.epoch, self.global_step, stopped, self._stop_reason))
         seconds = time.perf_counter() - started
-        items = sum(record.items for record in history)
+        items = self._items_trained - items_before  # an epoch begun earlier: this call's part
         return FitResult(
             tuple(history),
             self.epoch,

@@ -863,6 +863,28 @@ async def test_stop_from_an_epoch_end_consumer_runs_no_step_of_the_next_epoch(
         assert (await trainer.validate(batches))["loss"] == seen[0]
 
 
+async def test_items_per_second_counts_the_items_this_call_trained(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # It counted the items of the epochs the call completed: 0 for a fit stopped in mid-epoch
+    # however long it trained, and the whole epoch for one that finished an epoch begun before.
+    class Clock:  # each call of fit takes 1 s by this clock
+        now = 0.0
+
+        @classmethod
+        def perf_counter(cls) -> float:
+            cls.now += 1.0
+            return cls.now
+
+    monkeypatch.setattr(asyncddp._trainer, "time", Clock)
+    batches = make_batches([3] * 5)
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    stopped = await fit_until_stopped(trainer, batches, epochs=1, at_step=1)
+    assert (stopped.global_step, stopped.items_per_second) == (2, 6.0)
+    rest = await trainer.fit(batches, epochs=1)
+    assert (rest.history[0].items, rest.items_per_second) == (15, 9.0)
+
+
 @pytest.mark.parametrize("devices", [1, 2])
 async def test_cancelling_fit_leaves_a_trainer_that_continues_exactly(devices: int) -> None:
     batches = make_batches([3] * 40)
