@@ -48,11 +48,13 @@ class Device:
         return self.name
 
 
-#: What `resolve_devices` accepts: a string, an int, a ``torch.device``, a
-#: `Device`, or a sequence of these.
 DeviceSpec: TypeAlias = (
     "str | int | torch.device | Device | Iterable[str | int | torch.device | Device]"
 )
+"""What ``devices=`` takes (`Trainer`, `StepScheduler`): a string (``"auto"``, ``"cpu"``,
+``"cuda:1"``), an int (that many devices), a ``torch.device``, a `Device`, or a sequence of these
+(``asyncddp.cpu_devices(2)``, ``["cuda:0", "cuda:1"]``); `resolve_devices` says what each
+means."""
 
 CPU_HINT = "use asyncddp.cpu_devices(2) for two CPU workers"
 

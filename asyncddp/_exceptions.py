@@ -115,8 +115,10 @@ class WorkerFailedError(AsyncDDPError):
         step: The step the job belonged to (counted from 0), when known.
         epoch: The epoch, when the step was part of a fit.
         phase: What the step was doing, for example ``"train"`` or ``"valid"``.
-        error_type: The qualified name of the original exception's type.
-        error_message: ``str()`` of the original exception.
+        error_type: The qualified name of the original exception's type; ``""`` where there
+            is none (a `WorkerTimeoutError`, a `NonFiniteLossError`).
+        error_message: ``str()`` of the original exception, or what happened where there is
+            none (``"did not finish within step_timeout=5 s"``).
         other_failures: Failures of other devices in the same step, in the order they happened.
             Each is a `WorkerFailedError` with its own ``__cause__``.
     """

@@ -451,8 +451,10 @@ class StepScheduler:
         Args:
             fn: The job. Gets a `WorkerContext` and that device's shard.
             shards: One shard per device, in device order.
-            items: Items in each shard, for progress; by default counted with the size of the
-                shard's first tensor along dim 0.
+            items: Items in each shard, for progress; by default the size of the shard's first
+                tensor along dim 0 (depth first through tuples, lists and dicts); with no
+                tensor in it, a tuple, list or dict counts its length, ``None`` 0 and anything
+                else 1.
             step: The step's number, for errors; by default the count of earlier steps.
             epoch: The epoch, for errors.
             phase: What the step does, for errors (``"train"``, ``"valid"``, ...).

@@ -233,7 +233,8 @@ def failing_optimizer(
 
 
 def asyncddp_threads() -> list[threading.Thread]:
-    """The asyncddp worker threads alive in this process."""
+    """The threads asyncddp runs that are alive in this process: the workers, the data
+    loader's and a collective's (``asyncddp-*``), for a leak check."""
     return [
         thread
         for thread in threading.enumerate()
