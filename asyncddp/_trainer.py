@@ -927,6 +927,13 @@ def _check_data(data: Iterable[Any], name: str, passes: int) -> None:
     the others validated on)."""
     if empty_up_front(data):  # before any work: an empty validation set failed after an epoch
         raise no_batches(name, data, training=name == "train_data")
+    if not hasattr(data, "__iter__") and hasattr(data, "__aiter__"):
+        raise DataError(
+            f"{name} is an async iterable ({type(data).__name__}): the trainer reads its data "
+            "with iter() and next() on a loader thread, so that reading never holds up the "
+            "event loop. Pass a plain iterable: the batches in a list, or a generator that "
+            "reads them from a queue.Queue your async code fills"
+        )
     if isinstance(data, torch.Tensor):
         raise DataError(
             f"{name} is a tensor of shape {tuple(data.shape)}: iterated, it gives its rows, "

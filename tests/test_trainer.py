@@ -1618,6 +1618,11 @@ async def test_a_step_that_trains_a_model_from_outside_it_is_a_clear_error() -> 
         assert torch.equal(param, old)
 
 
+async def async_batches() -> Any:
+    for batch in make_batches([4]):
+        yield batch
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [
@@ -1630,6 +1635,8 @@ async def test_a_step_that_trains_a_model_from_outside_it_is_a_clear_error() -> 
         (torch.zeros(8, FEATURES), r"tensor of shape \(8, 6\): iterated, it gives its rows"),
         # The generator an earlier call used up.
         (iter([]), r"yielded no batches.*an iterator, such as a generator"),
+        # TypeError: 'async_generator' object is not iterable, from the loader thread.
+        (async_batches(), r"train_data is an async iterable \(async_generator\).*queue\.Queue"),
     ],
 )
 async def test_bad_data_is_a_clear_error(data: Any, message: str) -> None:
