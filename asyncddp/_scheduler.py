@@ -459,8 +459,10 @@ class StepScheduler:
             epoch: The epoch, for errors.
             phase: What the step does, for errors (``"train"``, ``"valid"``, ...).
             shield: Run every job of the step to its end, whatever happens: no job is dropped
-                after a failure or a cancellation (``step_timeout`` still applies). For steps
-                that must happen on every device or on none, such as an optimizer step. A
+                after a failure, a cancellation or ``step_timeout`` (which raises for the jobs
+                still running, and leaves them to finish; one that had not started, behind
+                another task's step, stays queued). For steps that must happen on every
+                device or on none, such as an optimizer step. A
                 device whose worker is still in an earlier job that outlived the wait for it
                 (``drain_timeout`` or ``step_timeout``: it hangs) is not waited for: its job
                 stays queued, to run once that one returns, and the call raises
@@ -507,6 +509,10 @@ class StepScheduler:
         queued = False  # jobs left queued behind hung ones, to run once those return
         if shield:
             cancellation = await self._wait_all_shielded(state, waker, deadline, busy)
+            if not state.done_but(busy):  # step_timeout: a job runs late, or waits behind one
+                # Noted whether or not another job failed, so that the next shielded step
+                # queues its job behind it instead of waiting (and timing out) for it.
+                self._outlive(state)
             settled = state.settled()
             if not settled and state.done_but(busy):
                 settled = queued = True
@@ -534,6 +540,11 @@ class StepScheduler:
                     on_cancel()
                 cancellation = await self._drain(state, waker)
             error = self._failure_error(state, number, epoch, phase)
+            if shield and isinstance(error, WorkerFailedError) and not state.done_but(busy):
+                # Jobs still running past step_timeout: not dropped, and named too.
+                late = self._late_errors(state, number, epoch, phase)
+                error.other_failures += tuple(late)
+                error.args = (str(error),)
             if cancellation is not None and isinstance(error, Exception):
                 cancellation.__cause__ = error
                 error = cancellation
@@ -681,28 +692,57 @@ class StepScheduler:
 
     def _timeout_error(
         self, state: _Step, number: int, epoch: int | None, phase: str | None
-    ) -> WorkerTimeoutError | None:
+    ) -> WorkerFailedError | None:
         with state.lock:
             if state.remaining == 0 or state.failures:
                 return None  # it settled after the wait gave up: report what happened
-            state.cancel_locked()
-            late = [index for index, done in enumerate(state.finished) if not done]
+            if not state.shielded:
+                state.cancel_locked()
         self._outlive(state)
-        assert self.step_timeout is not None
-        errors = [
-            WorkerTimeoutError(
-                timeout=self.step_timeout,
-                device=self.devices[index],
-                step=number,
-                epoch=epoch,
-                phase=phase,
-            )
-            for index in late
-        ]
+        errors = self._late_errors(state, number, epoch, phase)
         first = errors[0]
         first.other_failures = tuple(errors[1:])
         first.args = (str(first),)
         return first
+
+    def _late_errors(
+        self, state: _Step, number: int, epoch: int | None, phase: str | None
+    ) -> list[WorkerFailedError]:
+        """The step's jobs that did not finish within ``step_timeout``: each a
+        `WorkerTimeoutError`, or a `JobQueuedError` for a shielded step's job that had not
+        started (a shielded step drops no job: every device or none; it runs once the job
+        before it, another task's step say, returns)."""
+        assert self.step_timeout is not None
+        with state.lock:
+            late = [index for index, done in enumerate(state.finished) if not done]
+            waiting = {index for index in late if index in state.queued}
+        errors: list[WorkerFailedError] = []
+        for index in late:
+            if index in waiting:
+                queued = JobQueuedError(
+                    device=self.devices[index],
+                    step=number,
+                    epoch=epoch,
+                    phase=phase,
+                    error_type="",
+                    error_message=(
+                        f"not started within step_timeout={self.step_timeout:g} s, its worker "
+                        "still in an earlier job; this job runs once that one returns"
+                    ),
+                )
+                queued._step = state
+                errors.append(queued)
+            else:
+                errors.append(
+                    WorkerTimeoutError(
+                        timeout=self.step_timeout,
+                        device=self.devices[index],
+                        step=number,
+                        epoch=epoch,
+                        phase=phase,
+                    )
+                )
+        return errors
 
     def _check_shards(self, shards: Sequence[S]) -> Sequence[S]:
         if not isinstance(shards, Sequence) or isinstance(shards, (str, bytes)):

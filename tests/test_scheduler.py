@@ -27,6 +27,7 @@ from asyncddp import (
     cpu_devices,
 )
 from asyncddp._openmp import release_idle_threads
+from asyncddp._scheduler import JobQueuedError
 from asyncddp._worker import CallerState, DeviceWorker, leave_stream_running
 from asyncddp.testing import InjectedFailure, asyncddp_threads, fail_on, hang_on
 
@@ -583,6 +584,73 @@ async def test_a_shielded_step_after_a_hung_job_waits_for_the_other_devices_only
     for thread in scheduler._left_behind:
         thread.join(30)
     assert ran == [0, 1]  # the queued job ran once the hung one returned
+
+
+async def test_a_shielded_step_after_a_failure_and_a_late_job_drops_no_job() -> None:
+    # cpu#0 failed at once, cpu#1 ran past step_timeout: the failure settled the step, so the
+    # late job was not noted as hung, and the next shielded step (an optimizer step) ran on
+    # cpu#0 and dropped its job on cpu#1 at its own timeout: applied on one device only.
+    release, both, applied = threading.Event(), threading.Event(), []
+
+    def forward(ctx: WorkerContext, shard: None) -> None:
+        if ctx.device.index == 0:
+            raise ValueError("fast failure")
+        release.wait(30)
+
+    def optimizer_step(ctx: WorkerContext, shard: None) -> None:
+        applied.append(ctx.device.index)
+        if len(applied) == 2:
+            both.set()
+
+    try:
+        async with StepScheduler(cpu_devices(2), step_timeout=0.2) as scheduler:
+            with pytest.raises(WorkerFailedError, match="fast failure") as failed:
+                await scheduler.run(forward, [None, None], shield=True)
+            assert [type(e) for e in failed.value.other_failures] == [WorkerTimeoutError]
+            with pytest.raises(JobQueuedError, match=r"cpu#1.*runs once that one") as queued:
+                await scheduler.run(optimizer_step, [None, None], shield=True)
+            assert applied == [0]
+            assert not queued.value.ran()
+            release.set()
+            assert await anyio.to_thread.run_sync(both.wait, 30)
+    finally:
+        release.set()
+    assert sorted(applied) == [0, 1]  # every device or none
+    assert queued.value.ran()
+
+
+async def test_a_shielded_step_queued_behind_another_task_s_step_drops_no_job() -> None:
+    # Two tasks on one scheduler: B's shielded step waited behind A's slow job on cpu#1, and
+    # its timeout dropped B's job there after cpu#0's had run.
+    release, both, applied = threading.Event(), threading.Event(), []
+
+    def forward(ctx: WorkerContext, shard: None) -> None:
+        if ctx.device.index == 1:
+            release.wait(30)
+
+    def optimizer_step(ctx: WorkerContext, shard: None) -> None:
+        applied.append(ctx.device.index)
+        if len(applied) == 2:
+            both.set()
+
+    async with StepScheduler(cpu_devices(2), step_timeout=0.2) as scheduler:
+
+        async def a() -> None:
+            with pytest.raises(WorkerTimeoutError):
+                await scheduler.run(forward, [None, None])
+
+        async def b() -> None:
+            with pytest.raises(JobQueuedError, match=r"not started within step_timeout=0\.2 s"):
+                await scheduler.run(optimizer_step, [None, None], shield=True)
+            assert applied == [0]
+            release.set()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(a)
+            await anyio.lowlevel.checkpoint()  # A's jobs are queued first
+            group.start_soon(b)
+        assert await anyio.to_thread.run_sync(both.wait, 30)
+    assert sorted(applied) == [0, 1]
 
 
 # -- regressions found in review -------------------------------------------------------------
