@@ -35,6 +35,7 @@ from ._progress import ProgressTracker
 from ._ranks import batch_count, in_memory, rank_items_total_off_loop
 from ._replica import Replica
 from ._steps import Window, shard_items
+from ._sync import group_settings, restore_group_settings
 
 __all__ = ["EpochRecord", "Epochs"]
 
@@ -450,14 +451,15 @@ class Epochs(DistributedSteps):
 
     async def _pay_checkpoint(self) -> None:
         """Write the epoch checkpoint a closed epoch still owes (see `_end_epoch`)."""
+        if self._checkpoint_owed and self.checkpoint_dir is None:  # set to None since
+            self._checkpoint_owed = False
         if self._checkpoint_owed:
             await self._save_epoch_checkpoint()
             self._checkpoint_owed = False
 
     async def _validate(self, data: Iterable[Any], *, epoch: int | None) -> dict[str, float]:
         jobs = self._jobs()
-        # Each module's own mode, restored as it was: train(mode) on the root would also put
-        # back in training a submodule the user froze with eval() (a fine-tuned BatchNorm).
+        # Each module's own mode, put back as it was (see _restore_modes).
         modes = [
             [(module, module.training) for module in replica.model.modules()]
             for replica in self._replicas
@@ -478,8 +480,7 @@ class Epochs(DistributedSteps):
                     await self._validate_step(jobs, pending, totals, epoch)
         finally:
             for replica_modes in modes:
-                for module, mode in replica_modes:
-                    module.training = mode
+                _restore_modes(replica_modes)
         if self._distributed():  # exact over every rank's items
             result = await self._exchange(
                 _comm.VALIDATION,
@@ -571,23 +572,34 @@ def _format(metrics: Mapping[str, float]) -> str:
     return ", ".join(f"{name}={value:.6g}" for name, value in metrics.items())
 
 
+def _restore_modes(modes: list[tuple[torch.nn.Module, bool]]) -> None:
+    """Put each module back in its mode, through ``train()``, as it was. Not ``train(mode)``
+    on the root alone, which would also put back in training a submodule frozen with
+    ``eval()`` (a fine-tuned BatchNorm); nor the ``training`` flags alone, which would skip a
+    module's own ``train()`` (a LoRA layer unmerges its adapter there). In ``modules()`` order,
+    parents first: a child whose mode differs from its parent's is put back after it."""
+    for module, mode in modes:
+        if module.training != mode:
+            module.train(mode)
+
+
 def _step_schedulers(replicas: list[Replica]) -> None:
     """Step every replica's per-epoch LR scheduler, or none: one that raises (a ``LambdaLR``
     whose function fails) would leave the replicas' schedules, and so their learning rates,
     apart. torch's ``step()`` counts the epoch before it computes the rates, so the ones
     stepped, the failed one included, are put back as they were, their optimizers' rates too.
     Plain Python on floats: no tensor work."""
-    stepped: list[tuple[Any, dict[str, Any], list[Any]]] = []
+    stepped: list[tuple[Any, dict[str, Any], list[dict[str, Any]]]] = []
     try:
         for replica in replicas:
             scheduler = replica.scheduler
             if scheduler is not None:
-                rates = [group["lr"] for group in replica.optimizer.param_groups]
-                stepped.append((replica, scheduler.state_dict(), rates))
+                settings = [group_settings(group) for group in replica.optimizer.param_groups]
+                stepped.append((replica, scheduler.state_dict(), settings))
                 scheduler.step()
     except BaseException:
-        for replica, state, rates in stepped:
+        for replica, state, settings in stepped:
             replica.scheduler.load_state_dict(state)
-            for group, rate in zip(replica.optimizer.param_groups, rates, strict=True):
-                group["lr"] = rate
+            for group, saved in zip(replica.optimizer.param_groups, settings, strict=True):
+                restore_group_settings(group, saved)
         raise

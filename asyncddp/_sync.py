@@ -48,7 +48,9 @@ __all__ = [
     "bucket_layout",
     "chunk_bounds",
     "clip_coefficient",
+    "group_settings",
     "reduce_scatter",
+    "restore_group_settings",
     "scale_grads",
     "squared_norm",
 ]
@@ -524,9 +526,7 @@ class StepBackup:
         tensors.sources = []  # from here on only restored from, never checked
         if self._spare is not None:
             self._spare.sources = []
-        groups = [
-            {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
-        ]
+        groups = [group_settings(group) for group in optimizer.param_groups]
         self._saved = _Saved(
             tensors, groups, scheduler.state_dict() if scheduler is not None else None, peers
         )
@@ -580,6 +580,28 @@ class StepBackup:
             else:
                 self._restore_parts(saved.peers, targets)
         for group, hyper in zip(optimizer.param_groups, saved.groups, strict=True):
-            group.update(hyper)
+            restore_group_settings(group, hyper)
         if scheduler is not None and saved.scheduler is not None:
             scheduler.load_state_dict(saved.scheduler)
+
+
+def group_settings(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's settings, which an optimizer or LR scheduler step may change (``lr``;
+    ``momentum`` or ``betas`` in a cycle), with tensors copied: a tensor ``lr`` is changed in
+    place (``fill_``)."""
+    return {
+        key: value.clone() if isinstance(value, torch.Tensor) else value
+        for key, value in group.items()
+        if key != "params"
+    }
+
+
+def restore_group_settings(group: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Put back what `group_settings` saved: a tensor in place, as the optimizer and its
+    scheduler share it."""
+    for key, value in saved.items():
+        current = group.get(key)
+        if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
+            current.copy_(value)
+        else:
+            group[key] = value

@@ -419,7 +419,8 @@ class Trainer(Resumable):
 
         Safe to call from any task on the event loop, or from an event consumer: called from
         the consumer of a ``StepEnded``, ``EpochEnded`` or ``ValidationEnded`` before its first
-        ``await``, it takes effect before any further step. It is for the
+        ``await``, it takes effect before any further step (across processes, after the next
+        step, in whose exchange the ranks agree on it). It is for the
         fit running now: a ``fit`` clears any earlier stop when it starts, so a stop called
         before a fit's task has begun to run (just after ``asyncio.create_task(fit(...))``,
         say) is lost; stop it once it runs (after its ``FitStarted`` event, for example).

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import threading
+import types
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
@@ -218,7 +219,7 @@ def failing_optimizer(
         optimizer = factory(params)
         original = optimizer.step
 
-        def step(*args: Any, **kwargs: Any) -> Any:
+        def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             ctx = _here(device, at)
             if ctx is None:
                 return original(*args, **kwargs)
@@ -226,7 +227,8 @@ def failing_optimizer(
                 original(*args, **kwargs)
             raise error if error is not None else _injected_failure(ctx, "optimizer step")
 
-        optimizer.step = step  # type: ignore[method-assign]
+        # A bound method, as torch's LR schedulers wrap optimizer.step through its __func__.
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
         return optimizer
 
     return make

@@ -146,6 +146,32 @@ async def test_validation_keeps_a_submodule_frozen_in_eval_mode_frozen(devices: 
     assert torch.equal(trainer.model[1].running_mean, stats)  # a frozen BatchNorm learns none
 
 
+class Merging(nn.Linear):
+    """A layer whose own ``train()`` does work, as a LoRA layer merges its adapter into the
+    weight on ``train(False)`` and takes it out again on ``train(True)``."""
+
+    merged = False
+
+    def train(self, mode: bool = True) -> Merging:
+        super().train(mode)
+        self.merged = not mode
+        return self
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_validation_puts_modes_back_through_each_module_s_own_train(devices: int) -> None:
+    # Setting the training flags back skipped a module's own train(): the LoRA layer stayed
+    # merged in training mode, and its adapter no longer trained.
+    torch.manual_seed(0)
+    model = nn.Sequential(Merging(FEATURES, 16), nn.Tanh(), nn.Linear(16, 3))
+    batches = make_batches([8])
+    trainer = trainer_on(devices, model)
+    await trainer.validate(batches)
+    for replica in trainer._replicas:
+        assert replica.model.training
+        assert not replica.model[0].merged, replica.device
+
+
 async def test_validation_after_weights_are_loaded_scores_those_weights_on_every_device() -> None:
     batches = make_batches([7, 6])
     trainer = trainer_on(3, make_model())

@@ -6,6 +6,7 @@ import functools
 import math
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -654,8 +655,9 @@ async def test_a_tensor_learning_rate_in_the_factory_decays_once_a_step_on_every
 
 
 @pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("tensor_lr", [False, True])
 async def test_a_per_epoch_lr_scheduler_that_raises_leaves_every_replica_as_it_was(
-    devices: int,
+    devices: int, tensor_lr: bool
 ) -> None:
     # torch's step() counts the epoch before it computes the rates: the first replica's
     # scheduler had moved on, and each next fit stepped it again, so the devices' learning
@@ -663,12 +665,21 @@ async def test_a_per_epoch_lr_scheduler_that_raises_leaves_every_replica_as_it_w
     factors = [1.0]  # too short: the first epoch's end raises IndexError
 
     def schedule(optimizer: torch.optim.Optimizer) -> Any:
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: factors[epoch])
+        # The StepLR has changed the rate when the MultiplicativeLR raises.
+        return torch.optim.lr_scheduler.ChainedScheduler(
+            [
+                torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5),
+                torch.optim.lr_scheduler.MultiplicativeLR(optimizer, lambda e: factors[e]),
+            ]
+        )
 
     batches = make_batches([4, 4])
+    # A tensor lr is changed in place: putting back the group's entry put back the changed one.
+    lr = torch.tensor(0.1) if tensor_lr else 0.1
+    sgd = functools.partial(torch.optim.SGD, lr=lr, momentum=0.9)
     trainer = Trainer(
         make_model(),
-        SGD,
+        sgd,
         loss_step,
         devices=cpu_devices(devices),
         lr_scheduler=schedule,
@@ -676,11 +687,49 @@ async def test_a_per_epoch_lr_scheduler_that_raises_leaves_every_replica_as_it_w
     )
     with pytest.raises(IndexError):
         await trainer.fit(batches, epochs=3)
-    assert [r.scheduler.last_epoch for r in trainer._replicas] == [0] * devices
-    assert [r.optimizer.param_groups[0]["lr"] for r in trainer._replicas] == [0.1] * devices
+    for replica in trainer._replicas:
+        assert [inner.last_epoch for inner in replica.scheduler._schedulers] == [0, 0]
+    rates = [float(r.optimizer.param_groups[0]["lr"]) for r in trainer._replicas]
+    assert rates == pytest.approx([0.1] * devices)
     factors.extend([0.5, 0.25, 0.125])  # the cause is gone
     await trainer.fit(batches, epochs=3)
     assert_close(trainer.model, reference(batches, 3, SGD, scheduler=schedule))
+    assert_replicas_identical(trainer)
+
+
+async def test_an_undone_step_puts_back_a_tensor_learning_rate_its_scheduler_changed() -> None:
+    # The step's backup kept the group's lr entry, the very tensor the scheduler's fill_
+    # changed: the device that had stepped kept the decayed rate once the step was undone.
+    decay = functools.partial(torch.optim.lr_scheduler.ExponentialLR, gamma=0.5)
+    failures = [RuntimeError("once")]
+
+    def sgd(params: Any) -> torch.optim.Optimizer:  # fails once, at step 1, after its update
+        optimizer = torch.optim.SGD(params, lr=torch.tensor(0.1))
+        original = optimizer.step
+
+        def step(self: torch.optim.Optimizer) -> None:
+            original()
+            context = asyncddp.current_worker()
+            assert context is not None
+            if context.device.index == 1 and context.step == 1 and failures:
+                raise failures.pop()
+
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+        return optimizer
+
+    trainer = Trainer(
+        make_model(),
+        sgd,
+        loss_step,
+        devices=cpu_devices(2),
+        lr_scheduler=decay,
+        lr_scheduler_interval="step",
+        on_failure="retry",
+        progress_bar=False,
+    )
+    await trainer.fit(make_batches([4, 4, 4]), epochs=1)
+    rates = [float(r.optimizer.param_groups[0]["lr"]) for r in trainer._replicas]
+    assert rates == pytest.approx([0.1 / 8] * 2)  # three steps taken, the retried one once
     assert_replicas_identical(trainer)
 
 
@@ -1370,6 +1419,22 @@ async def test_an_epoch_checkpoint_a_fit_failed_to_write_is_written_by_the_next_
     again = checkpointing_trainer(tmp_path, seed=5)
     await again.fit(batches, epochs=2, resume=tmp_path / "epoch0001-step000002.ckpt")
     assert_close(again.model, reference(batches, 2, SGD))
+
+
+async def test_an_owed_checkpoint_is_forgotten_once_checkpoints_are_turned_off(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every later fit raised a bare AssertionError (no folder to write the owed one to).
+    def full_disk(state: Any, path: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(asyncddp._checkpoint, "save", full_disk)
+    trainer = checkpointing_trainer(tmp_path)
+    with pytest.raises(OSError, match="No space left"):
+        await trainer.fit(make_batches([4, 4]), epochs=2)
+    trainer.checkpoint_dir = None
+    result = await trainer.fit(make_batches([4, 4]), epochs=2)
+    assert result.global_step == 4
 
 
 async def test_an_epoch_checkpoint_a_cancelled_fit_did_not_write_is_written_by_the_next(
