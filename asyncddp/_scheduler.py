@@ -16,6 +16,7 @@ The loop thread never runs a job and never blocks on a thread: it queues, then a
 from __future__ import annotations
 
 import contextvars
+import inspect
 import threading
 import time
 import warnings
@@ -484,6 +485,7 @@ class StepScheduler:
             WorkerTimeoutError: A job did not finish within ``step_timeout``.
             KeyboardInterrupt, SystemExit: raised by a job, re-raised here as they are.
             ShardError: ``shards`` or ``items`` does not hold one entry per device.
+            TypeError: ``fn`` is an ``async def`` function.
             SchedulerClosedError: The scheduler is not open.
 
         Cancellation handling:
@@ -495,6 +497,12 @@ class StepScheduler:
         if self._state != "open":
             raise SchedulerClosedError(
                 f"{self!r} is not open; use 'async with StepScheduler(...) as scheduler:'"
+            )
+        if inspect.iscoroutinefunction(fn):  # it would return a coroutine nobody awaits
+            raise TypeError(
+                f"{getattr(fn, '__name__', fn)!r} is an async function; a job runs on each "
+                "device's worker thread, outside the event loop, so it must be a plain def "
+                "(what you await is run())"
             )
         shards = self._check_shards(shards)
         counts = self._check_items(items, shards)

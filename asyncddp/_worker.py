@@ -255,8 +255,12 @@ class DeviceWorker:
                 f"could not set up the worker for device {self.device.name}"
             ) from self._setup_error
         # Grad mode and autocast are thread-local; reset them for every job so one job's
-        # leftovers never leak into the next.
+        # leftovers never leak into the next (autocast turned on and left on, by
+        # torch.set_autocast_enabled or an autocast entered and not exited: a device that
+        # went on computing in bfloat16 where the others did not).
         torch.set_grad_enabled(state.grad_enabled)
+        if torch.is_autocast_enabled(self.device.type):
+            torch.set_autocast_enabled(self.device.type, False)
         _running.ctx = args[0] if args and isinstance(args[0], WorkerContext) else None
         _running.sync = True
         self.stream_left_running = False

@@ -136,6 +136,33 @@ async def test_caller_grad_mode_autocast_and_contextvars_reach_the_job() -> None
     assert after.outputs == plain.outputs
 
 
+async def test_autocast_a_job_turned_on_and_left_on_does_not_reach_the_next_job() -> None:
+    # One device went on computing in bfloat16 after a job left autocast on.
+    def leaves_autocast_on(ctx: WorkerContext, shard: None) -> None:
+        torch.set_autocast_enabled("cpu", True)
+        torch.set_autocast_dtype("cpu", torch.bfloat16)
+
+    def dtype(ctx: WorkerContext, shard: None) -> torch.dtype:
+        x = torch.ones(2, 2)
+        return (x @ x).dtype
+
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        await scheduler.run(leaves_autocast_on, [None, None])
+        after = await scheduler.run(dtype, [None, None])
+    assert after.outputs == (torch.float32, torch.float32)
+
+
+async def test_an_async_job_is_refused_before_anything_runs() -> None:
+    # It was accepted: each worker returned an unawaited coroutine, counted as processed.
+    async def job(ctx: WorkerContext, shard: None) -> None:
+        raise AssertionError("never runs")
+
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        with pytest.raises(TypeError, match="'job' is an async function"):
+            await scheduler.run(job, [None, None])
+        assert scheduler.progress.items_processed == 0
+
+
 async def test_job_cannot_change_the_callers_contextvars() -> None:
     var: contextvars.ContextVar[int] = contextvars.ContextVar("var", default=0)
     async with StepScheduler(cpu_devices(2)) as scheduler:
