@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ._checks import check_int
 from ._exceptions import ConfigurationError
 
 __all__ = ["Progress", "ProgressTracker"]
@@ -64,8 +65,7 @@ class ProgressTracker:
     ) -> None:
         if num_devices < 1:
             raise ConfigurationError(f"num_devices must be at least 1, got {num_devices}")
-        if items_total is not None and items_total < 0:
-            raise ConfigurationError(f"items_total must be >= 0 or None, got {items_total}")
+        items_total = check_int("items_total", items_total, 0, none=True)
         if start is not None and (len(start) != num_devices or any(c < 0 for c in start)):
             raise ConfigurationError(
                 f"start must hold {num_devices} counts >= 0, got {list(start)}"

@@ -33,6 +33,7 @@ from ._checks import MAX_THREADS, check_int, check_seconds
 from ._data import count_items
 from ._devices import Device, DeviceSpec, resolve_devices
 from ._exceptions import (
+    ConfigurationError,
     SchedulerClosedError,
     ShardError,
     WorkerFailedError,
@@ -319,7 +320,7 @@ class StepScheduler:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.aclose()
+        await self._aclose()
 
     def start(self) -> None:
         """Start the worker threads (``async with`` does this for you)."""
@@ -362,6 +363,11 @@ class StepScheduler:
         Cancellation handling: closing is shielded. It completes, and a cancellation that
         arrives meanwhile is delivered afterwards.
         """
+        await self._aclose()
+
+    async def _aclose(self) -> None:
+        # One frame below both aclose and __aexit__: a warning of _close_workers names the
+        # line of their caller (stacklevel=4), the user's ``async with`` or ``aclose()``.
         if self._state == "closed":
             if self._closed is not None:
                 await self._closed.wait()  # another task is closing it: wait for the joins
@@ -425,7 +431,7 @@ class StepScheduler:
                     f"after it) after drain_timeout="
                     f"{self.drain_timeout} s; left behind, it exits once the job returns",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
         return cancellation
 
@@ -769,12 +775,14 @@ class StepScheduler:
     ) -> tuple[int, ...]:
         if items is None:
             return tuple(count_items(shard) for shard in shards)
-        counts = tuple(items)
-        if len(counts) != len(self.devices) or any(
-            isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts
-        ):
+        try:  # ints, NumPy's too (a count from an array's shape)
+            counts = tuple(check_int("items", c, 0) for c in items)
+        except (ConfigurationError, TypeError):
+            counts = ()
+        if len(counts) != len(self.devices):
             raise ShardError(
-                f"items must hold one count >= 0 per device ({len(self.devices)}), got {items!r}"
+                f"items must hold one int count >= 0 per device ({len(self.devices)}), "
+                f"got {items!r}"
             )
         return counts
 

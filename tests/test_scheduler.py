@@ -12,11 +12,13 @@ import weakref
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 import torch
 
 import asyncddp
 from asyncddp import (
+    ConfigurationError,
     SchedulerClosedError,
     ShardError,
     StepScheduler,
@@ -96,10 +98,15 @@ async def test_items_can_be_given_and_progress_reset() -> None:
         assert result.progress.items_total == 10
         assert result.progress.items_processed == 5
         assert scheduler.progress == result.progress
-        with pytest.raises(ShardError, match="one count >= 0 per device"):
-            await scheduler.run(lambda ctx, shard: None, [1, 2], items=[1])
-        with pytest.raises(ShardError, match="one count >= 0 per device"):
-            await scheduler.run(lambda ctx, shard: None, [1, 2], items=[1, -1])
+        for wrong in ([1], [1, -1], [1.5, 2], 8):  # 8: a bare TypeError before
+            with pytest.raises(ShardError, match="one int count >= 0 per device"):
+                await scheduler.run(lambda ctx, shard: None, [1, 2], items=wrong)
+        # A count from a NumPy shape: refused as if it were below 0.
+        result = await scheduler.run(lambda ctx, shard: None, [1, 2], items=[np.int64(3), 4])
+        assert result.items == (3, 4)
+        for total in (1.5, True, "10"):  # shown as 0/1.5 items, or a bare TypeError
+            with pytest.raises(ConfigurationError, match="items_total must be an int"):
+                scheduler.reset_progress(items_total=total)
 
 
 async def test_wrong_number_of_shards_fails_before_running() -> None:
