@@ -45,13 +45,33 @@ class Waker(Protocol):
         """
 
 
+def _tick_seconds() -> float | None:
+    """How often a wait wakes the loop by itself: under ipykernel, every 0.25 s, else never.
+
+    ipykernel's SIGINT handler (the notebook's stop button) queues its cancellation with
+    tornado's ``add_callback``, a plain ``call_soon`` on the loop's own thread, which does not
+    wake the selector, and sets no wakeup fd: a loop asleep in a wait for a step that runs
+    long (or hangs) ran it only once the step returned, so the stop button did nothing. A
+    timer while the wait lasts lets it run within 0.25 s."""
+    return 0.25 if "ipykernel" in sys.modules else None
+
+
 class _AsyncioWaker:
-    __slots__ = ("_future", "_loop", "_pending")
+    __slots__ = ("_future", "_loop", "_pending", "_tick", "_ticking")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._future: asyncio.Future[None] | None = None
         self._pending = False
+        self._tick = _tick_seconds()
+        self._ticking = False
+
+    def _on_tick(self) -> None:
+        if self._future is None:  # not waiting (any more): the next wait starts it again
+            self._ticking = False
+        else:
+            assert self._tick is not None
+            self._loop.call_later(self._tick, self._on_tick)
 
     def wake_threadsafe(self) -> None:
         self._pending = True
@@ -78,6 +98,9 @@ class _AsyncioWaker:
             timer = None
             if deadline is not None:
                 timer = self._loop.call_at(deadline, _resolve, future)
+            if self._tick is not None and not self._ticking:
+                self._ticking = True
+                self._loop.call_later(self._tick, self._on_tick)
             try:
                 if not self._pending:  # a wake between the check and _future: see above
                     await future

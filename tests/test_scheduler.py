@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import gc
 import multiprocessing
@@ -168,6 +169,27 @@ async def test_an_async_job_is_refused_before_anything_runs() -> None:
         with pytest.raises(TypeError, match="'job' is an async function"):
             await scheduler.run(job, [None, None])
         assert scheduler.progress.items_processed == 0
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_under_ipykernel_a_callback_queued_without_a_wake_up_runs_during_a_long_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The notebook's stop button: ipykernel's SIGINT handler queues the cancellation with a
+    # plain call_soon, which does not wake the loop; asleep in the wait for a step, the loop
+    # ran it only once the step returned (never, for a step that hangs).
+    monkeypatch.setattr(asyncddp._loop, "_tick_seconds", lambda: 0.05, raising=False)
+    loop = asyncio.get_running_loop()
+    ran = threading.Event()
+
+    def long_step(ctx: WorkerContext, shard: None) -> bool:
+        if ctx.device.index == 0:
+            loop.call_soon(ran.set)  # as that handler does: queued, the selector not woken
+        return ran.wait(5)
+
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        result = await scheduler.run(long_step, [None, None])
+    assert result.outputs == (True, True)
 
 
 async def test_job_cannot_change_the_callers_contextvars() -> None:
