@@ -665,24 +665,32 @@ class StepScheduler:
             late = [i for i in sorted(busy) if not state.finished[i]]
         if not late:  # they returned meanwhile: the step settled after all
             return None
-        errors = [
-            JobQueuedError(
-                device=self.devices[index],
-                step=number,
-                epoch=epoch,
-                phase=phase,
-                error_type="",
-                error_message=(
-                    "its worker is still in an earlier job that outlived the wait for it; "
-                    "this job runs once that one returns"
-                ),
-            )
-            for index in late
-        ]
-        for error in errors:
-            error._step = state
+        why = "its worker is still in an earlier job that outlived the wait for it"
+        errors = [self._job_queued(state, index, why, number, epoch, phase) for index in late]
         errors[0].other_failures = tuple(errors[1:])
         return errors[0]
+
+    def _job_queued(
+        self,
+        state: _Step,
+        index: int,
+        why: str,
+        number: int,
+        epoch: int | None,
+        phase: str | None,
+    ) -> JobQueuedError:
+        """`JobQueuedError` for device ``index``'s job of ``state``, not started because
+        ``why``."""
+        error = JobQueuedError(
+            device=self.devices[index],
+            step=number,
+            epoch=epoch,
+            phase=phase,
+            error_type="",
+            error_message=f"{why}; this job runs once that one returns",
+        )
+        error._step = state
+        return error
 
     def _failure_error(
         self, state: _Step, number: int, epoch: int | None, phase: str | None
@@ -733,19 +741,11 @@ class StepScheduler:
         errors: list[WorkerFailedError] = []
         for index in late:
             if index in waiting:
-                queued = JobQueuedError(
-                    device=self.devices[index],
-                    step=number,
-                    epoch=epoch,
-                    phase=phase,
-                    error_type="",
-                    error_message=(
-                        f"not started within step_timeout={self.step_timeout:g} s, its worker "
-                        "still in an earlier job; this job runs once that one returns"
-                    ),
+                why = (
+                    f"not started within step_timeout={self.step_timeout:g} s, its worker "
+                    "still in an earlier job"
                 )
-                queued._step = state
-                errors.append(queued)
+                errors.append(self._job_queued(state, index, why, number, epoch, phase))
             else:
                 errors.append(
                     WorkerTimeoutError(
