@@ -563,6 +563,8 @@ class StepScheduler:
                 cancellation.__cause__ = error
                 error = cancellation
         elif cancellation is not None:
+            if state.all_done():  # a shielded step that ran to its end everywhere counts, as
+                self._tracker.update(counts)  # under a cancel scope, which it outlives
             error = cancellation
         elif queued:
             error = self._queued_error(state, busy, number, epoch, phase)

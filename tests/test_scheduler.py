@@ -828,6 +828,25 @@ async def test_a_shielded_step_runs_every_job_before_a_cancellation_goes_on(
     assert sorted(ran) == [0, 1]
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_shielded_step_that_ran_everywhere_counts_when_its_task_is_cancelled() -> None:
+    # Under a cancel scope it counted (the cancellation comes after it returns); a plain
+    # task.cancel() raised with the progress short of a step every device took.
+    release = threading.Event()
+
+    def slow(ctx: WorkerContext, shard: None) -> None:
+        release.wait(5)
+
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        task = asyncio.ensure_future(scheduler.run(slow, [[1], [2]], shield=True))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert (scheduler.progress.items_processed, scheduler.progress.steps) == (2, 1)
+
+
 async def test_a_shielded_step_waits_for_every_job_after_a_failure() -> None:
     finished = threading.Event()
 
