@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import logging
 import threading
 import time
 import warnings
@@ -43,6 +44,8 @@ from ._loop import Waker, current_waker
 from ._openmp import release_idle_threads
 from ._progress import Progress, ProgressTracker
 from ._worker import CallerState, DeviceWorker, WorkerContext, new_threads_count
+
+_log = logging.getLogger("asyncddp")
 
 __all__ = ["StepResult", "StepScheduler"]
 
@@ -96,6 +99,7 @@ class _Step:
         "finished",
         "lock",
         "may_remain",
+        "outlived",
         "outputs",
         "queued",
         "remaining",
@@ -121,6 +125,9 @@ class _Step:
         # A shielded step waits for no job of a worker still in one that outlived a wait
         # (see StepScheduler._busy): its waiter is woken once no more than these remain.
         self.may_remain = 0
+        # The caller stopped waiting for a job still running or queued (see _outlive): a
+        # failure of it later reaches nobody, so it is logged.
+        self.outlived = False
 
     def cancel(self) -> None:
         """Drop the jobs that have not started yet, and any output (nobody will read it)."""
@@ -221,12 +228,22 @@ class _Job:
                     step.outputs[self.index] = value
             else:
                 step.failures.append((self.index, value))
+            unheard = not ok and step.outlived
             wake = (
                 step.remaining <= step.may_remain
                 or (not ok and len(step.failures) == 1 and not step.shielded)
                 or (step.cancelled and step.running == 0)
             )
         notify = step.waker.wake_threadsafe if wake else None
+        if unheard:  # a step error reports only what failed while it was waited for
+            _log.warning(
+                "the job of step %s on %s, which outlived the wait for it, failed: %s: %s",
+                self.number,
+                self.worker.device.name,
+                type(value).__qualname__,
+                value,
+                exc_info=value,
+            )
         # A failure's traceback reaches this frame too (through _execute's f_back), and the
         # step holds that failure: drop every reference to the step, so that no reference
         # cycle keeps what the job made alive once the caller drops the error.
@@ -645,6 +662,7 @@ class StepScheduler:
     def _outlive(self, state: _Step) -> None:
         """Note the workers whose job in ``state`` outlived the wait for it."""
         with state.lock:
+            state.outlived = True
             for index, done in enumerate(state.finished):
                 if not done:
                     self._outlived[index] = state.finished

@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import gc
+import logging
 import multiprocessing
 import os
 import pickle
@@ -845,6 +846,33 @@ async def test_a_shielded_step_that_ran_everywhere_counts_when_its_task_is_cance
         with pytest.raises(asyncio.CancelledError):
             await task
         assert (scheduler.progress.items_processed, scheduler.progress.steps) == (2, 1)
+
+
+async def test_a_job_that_outlived_its_wait_and_then_fails_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Its error reached nobody: not the step's error (raised before), not a log, not a
+    # warning; an asynchronous CUDA error there went unseen.
+    release, failed = threading.Event(), threading.Event()
+
+    def late_failure(ctx: WorkerContext, shard: None) -> None:
+        if ctx.device.index == 1:
+            release.wait(5)
+            failed.set()
+            raise RuntimeError("illegal memory access")
+
+    async with StepScheduler(cpu_devices(2), step_timeout=0.1) as scheduler:
+        with pytest.raises(WorkerTimeoutError):
+            await scheduler.run(late_failure, [None, None])
+        with caplog.at_level(logging.WARNING, logger="asyncddp"):
+            release.set()
+            assert await anyio.to_thread.run_sync(failed.wait, 5)
+            await scheduler.run(lambda ctx, shard: None, [None, None])  # after it, on cpu#1
+    (record,) = [r for r in caplog.records if "outlived the wait" in r.getMessage()]
+    assert record.getMessage() == (
+        "the job of step 0 on cpu#1, which outlived the wait for it, failed: "
+        "RuntimeError: illegal memory access"
+    )
 
 
 async def test_a_shielded_step_waits_for_every_job_after_a_failure() -> None:
