@@ -64,6 +64,12 @@ class EpochRecord:
     items: int
     seconds: float
 
+    @property
+    def valid_loss(self) -> float | None:
+        """Validation's loss, ``valid_metrics["loss"]``, beside ``train_loss``; ``None``
+        without ``valid_data``."""
+        return None if self.valid_metrics is None else self.valid_metrics["loss"]
+
 
 class Epochs(DistributedSteps):
     """The epoch loop of `Trainer` (a mixin: the trainer owns the state)."""

@@ -41,7 +41,7 @@ async def main() -> None:
     patience = 3  # epochs without a better validation loss before stopping
     for epoch in range(1, 101):
         result = await trainer.fit(train, epochs=epoch, valid_data=valid)  # one epoch more
-        valid_loss = result.history[-1].valid_metrics["loss"]
+        valid_loss = result.history[-1].valid_loss
         print(f"epoch {epoch:2d}: valid loss {valid_loss:.4f}")
         if valid_loss < best:
             best, best_epoch = valid_loss, epoch

@@ -567,6 +567,10 @@ async def test_fit_returns_history_with_validation_metrics() -> None:
     assert set(result.history[0].train_metrics) == {"accuracy"}
     assert result.history[-1].train_loss < result.history[0].train_loss
     assert trainer.history == list(result.history)
+    last = result.history[-1]
+    assert last.valid_loss == (last.valid_metrics or {})["loss"]  # beside train_loss
+    unvalidated = await trainer.fit(batches, epochs=4)
+    assert unvalidated.history[0].valid_loss is None
 
 
 async def test_a_training_metric_that_requires_grad_is_read_without_a_warning() -> None:
