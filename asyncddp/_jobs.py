@@ -133,8 +133,9 @@ class ApplyWork:
     unused: tuple[int, ...]  # parameters no device used in this step
 
 
-class PeerLeft(Exception):
-    """Raised at a `Meeting` in a device's job when another device's job failed."""
+class PeerLeft(threading.BrokenBarrierError):
+    """Raised at a `Meeting` in a device's job when another device's job failed: a barrier
+    broken by a peer (which the scheduler does not log as news; see ``_Job``)."""
 
 
 class Meeting:

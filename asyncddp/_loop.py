@@ -57,21 +57,18 @@ def _tick_seconds() -> float | None:
 
 
 class _AsyncioWaker:
-    __slots__ = ("_future", "_loop", "_pending", "_tick", "_ticking")
+    __slots__ = ("_future", "_loop", "_pending", "_tick", "_ticker")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._future: asyncio.Future[None] | None = None
         self._pending = False
         self._tick = _tick_seconds()
-        self._ticking = False
+        self._ticker: asyncio.TimerHandle | None = None
 
-    def _on_tick(self) -> None:
-        if self._future is None:  # not waiting (any more): the next wait starts it again
-            self._ticking = False
-        else:
-            assert self._tick is not None
-            self._loop.call_later(self._tick, self._on_tick)
+    def _on_tick(self) -> None:  # the loop is awake: nothing else to do but come again
+        assert self._tick is not None
+        self._ticker = self._loop.call_later(self._tick, self._on_tick)
 
     def wake_threadsafe(self) -> None:
         self._pending = True
@@ -98,9 +95,8 @@ class _AsyncioWaker:
             timer = None
             if deadline is not None:
                 timer = self._loop.call_at(deadline, _resolve, future)
-            if self._tick is not None and not self._ticking:
-                self._ticking = True
-                self._loop.call_later(self._tick, self._on_tick)
+            if self._tick is not None:
+                self._ticker = self._loop.call_later(self._tick, self._on_tick)
             try:
                 if not self._pending:  # a wake between the check and _future: see above
                     await future
@@ -108,6 +104,9 @@ class _AsyncioWaker:
                 self._future = None
                 if timer is not None:
                     timer.cancel()
+                if self._ticker is not None:
+                    self._ticker.cancel()
+                    self._ticker = None
         woken = self._pending
         self._pending = False
         return woken

@@ -24,6 +24,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from threading import BrokenBarrierError
 from types import TracebackType
 from typing import Any, Generic, TypeVar, cast
 
@@ -99,12 +100,12 @@ class _Step:
         "finished",
         "lock",
         "may_remain",
-        "outlived",
         "outputs",
         "queued",
         "remaining",
         "running",
         "shielded",
+        "unheard",
         "waker",
     )
 
@@ -125,9 +126,9 @@ class _Step:
         # A shielded step waits for no job of a worker still in one that outlived a wait
         # (see StepScheduler._busy): its waiter is woken once no more than these remain.
         self.may_remain = 0
-        # The caller stopped waiting for a job still running or queued (see _outlive): a
-        # failure of it later reaches nobody, so it is logged.
-        self.outlived = False
+        # The caller has read the step's failures for the last time (see `unheard`): a job
+        # that fails after that reaches nobody, so it is logged.
+        self.unheard = False
 
     def cancel(self) -> None:
         """Drop the jobs that have not started yet, and any output (nobody will read it)."""
@@ -146,6 +147,13 @@ class _Step:
         """Break the step -> job -> step cycle once the caller is done with the step."""
         with self.lock:
             self.queued.clear()
+            self.unheard = True
+
+    def read_failures_locked(self) -> list[tuple[int, BaseException]]:
+        """The failures so far, for the caller's error: one that comes later is logged
+        (`unheard`). For a caller that holds ``lock``."""
+        self.unheard = True
+        return list(self.failures)
 
     def settled(self) -> bool:
         with self.lock:
@@ -228,14 +236,16 @@ class _Job:
                     step.outputs[self.index] = value
             else:
                 step.failures.append((self.index, value))
-            unheard = not ok and step.outlived
+            # A job released by a peer's failure or a cancellation (a broken barrier) is
+            # a consequence, not news.
+            unheard = step.unheard and not ok and not isinstance(value, BrokenBarrierError)
             wake = (
                 step.remaining <= step.may_remain
                 or (not ok and len(step.failures) == 1 and not step.shielded)
                 or (step.cancelled and step.running == 0)
             )
         notify = step.waker.wake_threadsafe if wake else None
-        if unheard:  # a step error reports only what failed while it was waited for
+        if unheard:  # the step's error reported what had failed when it was made
             _log.warning(
                 "the job of step %s on %s, which outlived the wait for it, failed: %s: %s",
                 self.number,
@@ -250,6 +260,16 @@ class _Job:
         self.step = None  # type: ignore[assignment]
         del step, value
         return notify
+
+
+def _is_async(fn: object) -> bool:
+    """Whether calling ``fn`` makes a coroutine or an async generator: an ``async def``
+    (through ``functools.partial`` too), or an object whose ``__call__`` is one."""
+    call = fn if inspect.isroutine(fn) or not callable(fn) else type(fn).__call__
+    for candidate in (fn, call):
+        if inspect.iscoroutinefunction(candidate) or inspect.isasyncgenfunction(candidate):
+            return True
+    return False
 
 
 def _stop_all(workers: Sequence[DeviceWorker]) -> None:
@@ -521,7 +541,7 @@ class StepScheduler:
             raise SchedulerClosedError(
                 f"{self!r} is not open; use 'async with StepScheduler(...) as scheduler:'"
             )
-        if inspect.iscoroutinefunction(fn):  # it would return a coroutine nobody awaits
+        if _is_async(fn):  # it would return a coroutine nobody awaits
             raise TypeError(
                 f"{getattr(fn, '__name__', fn)!r} is an async function; a job runs on each "
                 "device's worker thread, outside the event loop, so it must be a plain def "
@@ -571,11 +591,13 @@ class StepScheduler:
                     on_cancel()
                 cancellation = await self._drain(state, waker)
             error = self._failure_error(state, number, epoch, phase)
-            if shield and isinstance(error, WorkerFailedError) and not state.done_but(busy):
-                # Jobs still running past step_timeout: not dropped, and named too.
-                late = self._late_errors(state, number, epoch, phase)
-                error.other_failures += tuple(late)
-                error.args = (str(error),)
+            if shield and isinstance(error, WorkerFailedError):
+                with state.lock:  # jobs still running past step_timeout: named too
+                    late = [(i, on) for i, on in self._late_locked(state) if i not in busy]
+                if late:
+                    errors = self._late_errors(state, late, number, epoch, phase)
+                    error.other_failures += tuple(errors)
+                    error.args = (str(error),)
             if cancellation is not None and isinstance(error, Exception):
                 cancellation.__cause__ = error
                 error = cancellation
@@ -662,7 +684,6 @@ class StepScheduler:
     def _outlive(self, state: _Step) -> None:
         """Note the workers whose job in ``state`` outlived the wait for it."""
         with state.lock:
-            state.outlived = True
             for index, done in enumerate(state.finished):
                 if not done:
                     self._outlived[index] = state.finished
@@ -683,6 +704,8 @@ class StepScheduler:
         """A shielded step's jobs left queued behind a hung job: `JobQueuedError`."""
         with state.lock:
             late = [i for i in sorted(busy) if not state.finished[i]]
+            if late:  # a failure of theirs comes later: logged
+                state.unheard = True
         if not late:  # they returned meanwhile: the step settled after all
             return None
         why = "its worker is still in an earlier job that outlived the wait for it"
@@ -716,7 +739,7 @@ class StepScheduler:
         self, state: _Step, number: int, epoch: int | None, phase: str | None
     ) -> BaseException:
         with state.lock:
-            failures = list(state.failures)
+            failures = state.read_failures_locked()
         for index, exc in failures:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 exc.add_note(f"raised by the job on device {self.devices[index].name}")
@@ -735,32 +758,45 @@ class StepScheduler:
     def _timeout_error(
         self, state: _Step, number: int, epoch: int | None, phase: str | None
     ) -> WorkerFailedError | None:
-        with state.lock:
+        with state.lock:  # one look: a job that finishes meanwhile is either late or not
             if state.remaining == 0 or state.failures:
                 return None  # it settled after the wait gave up: report what happened
             if not state.shielded:
                 state.cancel_locked()
+            late = self._late_locked(state)
+            state.unheard = True
         self._outlive(state)
-        errors = self._late_errors(state, number, epoch, phase)
+        errors = self._late_errors(state, late, number, epoch, phase)
         first = errors[0]
         first.other_failures = tuple(errors[1:])
         first.args = (str(first),)
         return first
 
+    @staticmethod
+    def _late_locked(state: _Step) -> list[tuple[int, bool]]:
+        """The step's unfinished jobs, each with whether it has started; under ``lock``."""
+        return [
+            (index, index not in state.queued)
+            for index, done in enumerate(state.finished)
+            if not done
+        ]
+
     def _late_errors(
-        self, state: _Step, number: int, epoch: int | None, phase: str | None
+        self,
+        state: _Step,
+        late: list[tuple[int, bool]],
+        number: int,
+        epoch: int | None,
+        phase: str | None,
     ) -> list[WorkerFailedError]:
-        """The step's jobs that did not finish within ``step_timeout``: each a
+        """The ``late`` jobs (`_late_locked`), past ``step_timeout``: each a
         `WorkerTimeoutError`, or a `JobQueuedError` for a shielded step's job that had not
         started (a shielded step drops no job: every device or none; it runs once the job
         before it, another task's step say, returns)."""
         assert self.step_timeout is not None
-        with state.lock:
-            late = [index for index, done in enumerate(state.finished) if not done]
-            waiting = {index for index in late if index in state.queued}
         errors: list[WorkerFailedError] = []
-        for index in late:
-            if index in waiting:
+        for index, started in late:
+            if not started:
                 why = (
                     f"not started within step_timeout={self.step_timeout:g} s, its worker "
                     "still in an earlier job"

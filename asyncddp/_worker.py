@@ -105,6 +105,19 @@ def leave_stream_running() -> None:
         _running.sync = False
 
 
+def _reset_autocast(kind: str, dtype: torch.dtype) -> None:
+    """Put this thread's autocast for device type ``kind`` back as a new thread has it: off,
+    its default ``dtype``, no autocast region open (one entered and never exited keeps its
+    cache of cast weights, which then go stale as the weights train)."""
+    torch.set_autocast_enabled(kind, False)
+    torch.set_autocast_dtype(kind, dtype)
+    nesting = torch.autocast_increment_nesting() - 1
+    for _ in range(nesting + 1):
+        torch.autocast_decrement_nesting()
+    if nesting > 0:
+        torch.clear_autocast_cache()
+
+
 class CallerState(NamedTuple):
     """The caller's thread-local torch state, to be re-entered in a worker.
 
@@ -208,6 +221,9 @@ class DeviceWorker:
         self.stream_left_running = False
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._setup_error: BaseException | None = None
+        # The autocast dtype a new thread has for the device's type (a job may leave another):
+        # read on the worker's thread as it starts.
+        self._autocast = torch.get_autocast_dtype(device.type)
         self._thread = threading.Thread(
             target=self._main, name=f"asyncddp-worker[{device.name}]", daemon=True
         )
@@ -259,8 +275,9 @@ class DeviceWorker:
         # torch.set_autocast_enabled or an autocast entered and not exited: a device that
         # went on computing in bfloat16 where the others did not).
         torch.set_grad_enabled(state.grad_enabled)
-        if torch.is_autocast_enabled(self.device.type):
-            torch.set_autocast_enabled(self.device.type, False)
+        kind = self.device.type
+        if torch.is_autocast_enabled(kind) or torch.get_autocast_dtype(kind) != self._autocast:
+            _reset_autocast(kind, self._autocast)
         _running.ctx = args[0] if args and isinstance(args[0], WorkerContext) else None
         _running.sync = True
         self.stream_left_running = False
@@ -282,6 +299,7 @@ class DeviceWorker:
         return result
 
     def _main(self) -> None:
+        self._autocast = torch.get_autocast_dtype(self.device.type)
         if self._slice_ms is not None:
             _sched.prefer_throughput(self._slice_ms)  # never raises
         try:

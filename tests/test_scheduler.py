@@ -7,9 +7,12 @@ import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import statistics
+import sys
 import threading
 import time
+import types
 import weakref
 from typing import Any
 
@@ -155,10 +158,42 @@ async def test_autocast_a_job_turned_on_and_left_on_does_not_reach_the_next_job(
         x = torch.ones(2, 2)
         return (x @ x).dtype
 
+    def leaves_float16_default(ctx: WorkerContext, shard: None) -> None:
+        torch.set_autocast_dtype("cpu", torch.float16)  # autocast off: only its dtype left
+
+    def own_autocast(ctx: WorkerContext, shard: None) -> torch.dtype:
+        with torch.autocast("cpu"):  # the thread's dtype
+            x = torch.ones(2, 2)
+            return (x @ x).dtype
+
     async with StepScheduler(cpu_devices(2)) as scheduler:
         await scheduler.run(leaves_autocast_on, [None, None])
         after = await scheduler.run(dtype, [None, None])
+        await scheduler.run(leaves_float16_default, [None, None])
+        default = await scheduler.run(own_autocast, [None, None])
     assert after.outputs == (torch.float32, torch.float32)
+    assert default.outputs == (torch.bfloat16, torch.bfloat16)
+
+
+async def test_an_autocast_a_job_entered_and_never_left_keeps_no_stale_cast_weights() -> None:
+    # Its region stayed open, so autocast never cleared its cache of cast weights: a later
+    # job under the caller's autocast multiplied by the weight as it was before it changed.
+    weight = torch.nn.Parameter(torch.ones(4, 4))
+
+    def enters(ctx: WorkerContext, shard: None) -> None:
+        torch.autocast("cpu", dtype=torch.bfloat16).__enter__()  # never exited
+
+    def product(ctx: WorkerContext, shard: None) -> float:
+        return float((torch.ones(1, 4) @ weight).float().sum().detach())
+
+    async with StepScheduler(cpu_devices(1)) as scheduler:
+        await scheduler.run(enters, [None])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            before = await scheduler.run(product, [None])
+            with torch.no_grad():
+                weight.add_(1.0)  # an optimizer step, in place
+            after = await scheduler.run(product, [None])
+    assert (before.outputs, after.outputs) == ((16.0,), (32.0,))
 
 
 async def test_an_async_job_is_refused_before_anything_runs() -> None:
@@ -166,9 +201,19 @@ async def test_an_async_job_is_refused_before_anything_runs() -> None:
     async def job(ctx: WorkerContext, shard: None) -> None:
         raise AssertionError("never runs")
 
+    class Job:
+        async def __call__(self, ctx: WorkerContext, shard: None) -> None:
+            raise AssertionError("never runs")
+
+    async def batches(ctx: WorkerContext, shard: None) -> Any:
+        yield shard
+
     async with StepScheduler(cpu_devices(2)) as scheduler:
         with pytest.raises(TypeError, match="'job' is an async function"):
             await scheduler.run(job, [None, None])
+        for other in (Job(), batches):
+            with pytest.raises(TypeError, match="is an async function"):
+                await scheduler.run(other, [None, None])
         assert scheduler.progress.items_processed == 0
 
 
@@ -179,17 +224,24 @@ async def test_under_ipykernel_a_callback_queued_without_a_wake_up_runs_during_a
     # The notebook's stop button: ipykernel's SIGINT handler queues the cancellation with a
     # plain call_soon, which does not wake the loop; asleep in the wait for a step, the loop
     # ran it only once the step returned (never, for a step that hangs).
-    monkeypatch.setattr(asyncddp._loop, "_tick_seconds", lambda: 0.05, raising=False)
+    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
     loop = asyncio.get_running_loop()
     ran = threading.Event()
 
+    def interrupt(signum: int, frame: object) -> None:  # on this thread, as the loop sleeps
+        loop.call_soon(ran.set)  # as that handler does: queued, the selector not woken
+
     def long_step(ctx: WorkerContext, shard: None) -> bool:
         if ctx.device.index == 0:
-            loop.call_soon(ran.set)  # as that handler does: queued, the selector not woken
+            os.kill(os.getpid(), signal.SIGUSR1)  # the stop button
         return ran.wait(5)
 
-    async with StepScheduler(cpu_devices(2)) as scheduler:
-        result = await scheduler.run(long_step, [None, None])
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        async with StepScheduler(cpu_devices(2)) as scheduler:
+            result = await scheduler.run(long_step, [None, None])
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
     assert result.outputs == (True, True)
 
 
@@ -873,6 +925,83 @@ async def test_a_job_that_outlived_its_wait_and_then_fails_is_logged(
         "the job of step 0 on cpu#1, which outlived the wait for it, failed: "
         "RuntimeError: illegal memory access"
     )
+
+
+async def test_a_late_job_that_returns_as_the_timeout_is_raised_is_still_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The timeout's check and its list of late jobs were two looks: a job that returned in
+    # between left the list empty, and run() raised IndexError.
+    release, returned = threading.Event(), threading.Event()
+
+    def late(ctx: WorkerContext, shard: None) -> None:
+        if ctx.device.index == 1:
+            release.wait(5)
+            returned.set()
+
+    outlive = StepScheduler._outlive
+
+    def outlive_once_it_returned(self: StepScheduler, state: Any) -> None:
+        release.set()
+        assert returned.wait(5)
+        time.sleep(0.05)  # its bookkeeping, after the job itself
+        outlive(self, state)
+
+    monkeypatch.setattr(StepScheduler, "_outlive", outlive_once_it_returned)
+    async with StepScheduler(cpu_devices(2), step_timeout=0.1) as scheduler:
+        with pytest.raises(WorkerTimeoutError, match="cpu#1"):
+            await scheduler.run(late, [None, None])
+
+
+async def test_a_shielded_job_queued_behind_a_hung_one_that_fails_later_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    release, failed = threading.Event(), threading.Event()
+
+    def hangs_on_1(ctx: WorkerContext, shard: None) -> None:
+        if ctx.device.index == 1:
+            release.wait(5)
+
+    def fails_on_1(ctx: WorkerContext, shard: None) -> None:
+        if ctx.device.index == 1:
+            failed.set()
+            raise RuntimeError("late failure")
+
+    async with StepScheduler(cpu_devices(2), step_timeout=0.1) as scheduler:
+        with pytest.raises(WorkerTimeoutError):
+            await scheduler.run(hangs_on_1, [None, None])
+        with pytest.raises(JobQueuedError):
+            await scheduler.run(fails_on_1, [None, None], shield=True)
+        with caplog.at_level(logging.WARNING, logger="asyncddp"):
+            release.set()
+            assert await anyio.to_thread.run_sync(failed.wait, 5)
+            await scheduler.run(lambda ctx, shard: None, [None, None])
+    logged = [r.getMessage() for r in caplog.records if "outlived the wait" in r.getMessage()]
+    assert logged == [
+        "the job of step 1 on cpu#1, which outlived the wait for it, failed: "
+        "RuntimeError: late failure"
+    ]
+
+
+async def test_a_late_job_released_by_a_broken_barrier_is_not_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The trainer's jobs meet between phases; one released because another failed raises a
+    # broken barrier (PeerLeft): a consequence, logged as if it were news.
+    barrier = threading.Barrier(2)
+
+    def meets(ctx: WorkerContext, shard: None) -> None:
+        if ctx.device.index == 0:
+            raise RuntimeError("real failure")
+        time.sleep(0.3)  # past drain_timeout
+        barrier.wait()
+
+    with caplog.at_level(logging.WARNING, logger="asyncddp"):
+        async with StepScheduler(cpu_devices(2), drain_timeout=0.1) as scheduler:
+            with pytest.raises(WorkerFailedError, match="real failure"):
+                await scheduler.run(meets, [None, None], on_cancel=barrier.abort)
+            await scheduler.run(lambda ctx, shard: None, [None, None])  # after it, on cpu#1
+    assert not [r for r in caplog.records if "outlived the wait" in r.getMessage()]
 
 
 async def test_a_shielded_step_waits_for_every_job_after_a_failure() -> None:
