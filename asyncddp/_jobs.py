@@ -363,6 +363,8 @@ class Jobs:
         with torch.no_grad():
             output = self._forward(self.valid_step, replica, shard, ctx)
             loss, metrics, counted = loss_and_metrics(output, training=False)
+        if counted == 0:  # every item of the shard padding: its loss (often NaN) counts for
+            return Sums(0, 0.0, dict.fromkeys(metrics, 0.0), counted=True)  # nothing, as in train
         if counted is not None:
             items = counted
         return Sums(

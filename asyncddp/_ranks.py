@@ -18,6 +18,7 @@ epoch, as Lightning does, so that a sampler that shuffles by epoch draws a new o
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any, cast
 
@@ -74,6 +75,25 @@ def _torch_sampler(sampler: object) -> bool:
     return type(sampler).__module__.startswith("torch.utils.data.")
 
 
+def _warn_if_padded(sampler: DistributedSampler[Any]) -> None:
+    """A ``DistributedSampler`` pads the ranks to equal counts by repeating samples: those are
+    trained on, and validated, twice."""
+    try:
+        size = len(sampler.dataset)  # type: ignore[arg-type]
+    except TypeError:  # a dataset without a length: the sampler could not have padded
+        return
+    repeated = sampler.total_size - size
+    if repeated > 0:
+        warnings.warn(
+            f"this DataLoader's DistributedSampler repeats {repeated} of its {size} samples to "
+            f"give its {sampler.num_replicas} ranks equal counts, so they count twice (in "
+            "validation metrics too). asyncddp splits a DataLoader across the ranks exactly by "
+            "itself: pass it without a DistributedSampler (or with drop_last=True)",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
 def rank_view(
     data: Iterable[Any], rank: int, world_size: int, seed: int, epoch: int = 0
 ) -> Iterable[Any]:
@@ -81,6 +101,7 @@ def rank_view(
     rank); its samplers are told the epoch (`set_sampler_epoch`)."""
     set_sampler_epoch(data, epoch)
     if isinstance(data, DataLoader) and isinstance(data.sampler, DistributedSampler):
+        _warn_if_padded(data.sampler)
         return data  # sharded by the user already
     if world_size == 1:
         return data

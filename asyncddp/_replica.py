@@ -9,6 +9,7 @@ import copy
 import functools
 import inspect
 import itertools
+import numbers
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
@@ -415,9 +416,10 @@ def loss_and_metrics(
                 f"{step}'s metric {name!r} has shape {tuple(value.shape)}; metrics are "
                 "scalars, means over the shard's items"
             )
-        if not isinstance(value, (torch.Tensor, int, float)):
+        if not isinstance(value, (torch.Tensor, numbers.Real)):  # NumPy's scalars too
             raise StepOutputError(
-                f"{step}'s metric {name!r} is {_kind(value)}, not a number or tensor"
+                f"{step}'s metric {name!r} is {_kind(value)}, not a number (an int, a float, "
+                "a NumPy scalar) or a one-element tensor"
             )
     return loss, metrics, items
 

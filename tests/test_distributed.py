@@ -1173,6 +1173,22 @@ def test_a_distributed_sampler_gets_its_epoch_in_a_one_process_group_too() -> No
     assert sampler.epoch == 3
 
 
+def test_a_distributed_sampler_that_repeats_samples_warns() -> None:
+    # It pads the ranks to equal counts: 301 samples on 2 ranks validated as 302, silently.
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from asyncddp._ranks import rank_view
+
+    padded = TensorDataset(torch.zeros(301, 2))
+    loader = DataLoader(padded, batch_size=50, sampler=DistributedSampler(padded, 2, 0))
+    with pytest.warns(UserWarning, match="repeats 1 of its 301 samples to give its 2 ranks"):
+        rank_view(loader, 0, 2, seed=0)
+    even = TensorDataset(torch.zeros(300, 2))
+    rank_view(DataLoader(even, sampler=DistributedSampler(even, 2, 0)), 0, 2, seed=0)
+    dropped = DistributedSampler(padded, 2, 0, drop_last=True)
+    rank_view(DataLoader(padded, sampler=dropped), 0, 2, seed=0)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize(
     ("size", "batch_size", "drop_last"),

@@ -557,6 +557,16 @@ async def test_validate_averages_exactly_over_items() -> None:
     assert model.training  # validation put the model back in training mode
 
 
+async def test_a_numpy_metric_is_a_number() -> None:
+    # np.float32 was refused as "not a number or tensor".
+    def step(model: nn.Module, batch: Any) -> dict[str, Any]:
+        return {"loss": loss_step(model, batch), "half": np.float32(0.5), "one": np.int64(1)}
+
+    trainer = Trainer(make_model(), SGD, step, devices=cpu_devices(2), progress_bar=False)
+    result = await trainer.fit(make_batches([4, 3]), epochs=1)
+    assert dict(result.history[0].train_metrics) == {"half": 0.5, "one": 1.0}
+
+
 async def test_fit_returns_history_with_validation_metrics() -> None:
     batches = make_batches([8, 8, 8])
     trainer = Trainer(make_model(), ADAMW, metric_step, devices=cpu_devices(2), progress_bar=False)
@@ -3271,6 +3281,15 @@ async def test_a_device_whose_shard_is_all_padding_adds_nothing_even_if_its_loss
         expected, loss = token_reference([[batch] for batch in batches])
         assert_close(trainer.model, expected)
         assert result.history[0].train_loss == pytest.approx(loss, rel=1e-5)
+        # Validation too: it was NaN on two devices (the NaN loss times 0 items), and right
+        # on one, where no shard is all padding.
+        inputs, targets, mask = (torch.cat(parts) for parts in zip(*batches, strict=True))
+        with torch.no_grad():
+            losses = F.cross_entropy(
+                trainer.model(inputs).transpose(1, 2), targets, reduction="none"
+            )
+        valid = await trainer.validate(batches)
+        assert valid["loss"] == pytest.approx(float((losses * mask).sum() / mask.sum()), rel=1e-5)
 
 
 async def test_items_on_some_micro_steps_only_is_a_clear_error() -> None:
