@@ -169,6 +169,8 @@ class EventStream:
         return self
 
     async def __anext__(self) -> Event:
+        # A cancellation point even when events are buffered (no loop turn: see settle).
+        await anyio.lowlevel.checkpoint_if_cancelled()
         while not self._queue:
             if self._ended:
                 raise StopAsyncIteration

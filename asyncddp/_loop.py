@@ -158,8 +158,15 @@ class _TrioWaker:
         return woken
 
     async def wait_shielded(self, deadline: float | None) -> tuple[bool, BaseException | None]:
+        # trio delivers Ctrl-C to the main task as KeyboardInterrupt, shield or not: held off
+        # as a cancellation is, and returned for the caller to raise once its wait is over.
+        interrupt: BaseException | None = None
         with self._trio.CancelScope(shield=True):
-            return await self.wait(deadline), None
+            while True:
+                try:
+                    return await self.wait(deadline), interrupt
+                except KeyboardInterrupt as exc:
+                    interrupt = interrupt or exc
 
 
 def current_waker() -> Waker:

@@ -1004,6 +1004,24 @@ async def test_a_late_job_released_by_a_broken_barrier_is_not_logged(
     assert not [r for r in caplog.records if "outlived the wait" in r.getMessage()]
 
 
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_under_trio_ctrl_c_waits_for_every_job_of_a_shielded_step() -> None:
+    # trio delivers Ctrl-C to the main task as KeyboardInterrupt, through the shield: run()
+    # raised while the jobs still ran, and the step they then finished went uncounted.
+    finished: list[int] = []
+
+    def slow(ctx: WorkerContext, shard: None) -> None:
+        time.sleep(0.5)
+        finished.append(ctx.device.index)
+
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            await scheduler.run(slow, [[1], [2]], shield=True)
+        assert sorted(finished) == [0, 1]
+        assert scheduler.progress.steps == 1
+
+
 async def test_a_shielded_step_waits_for_every_job_after_a_failure() -> None:
     finished = threading.Event()
 

@@ -567,6 +567,21 @@ async def test_a_numpy_metric_is_a_number() -> None:
     assert dict(result.history[0].train_metrics) == {"half": 0.5, "one": 1.0}
 
 
+async def test_reading_buffered_events_is_a_cancellation_point() -> None:
+    # A consumer ran through every buffered event (up to maxlen) without noticing that it
+    # was cancelled: trio's rule is that every await on a library call can be cancelled.
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    stream = trainer.events()
+    await trainer.fit(make_batches([4, 4]), epochs=1)
+    read: list[Any] = []
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        async for event in stream:
+            read.append(event)
+    assert scope.cancelled_caught
+    assert read == []
+
+
 async def test_fit_returns_history_with_validation_metrics() -> None:
     batches = make_batches([8, 8, 8])
     trainer = Trainer(make_model(), ADAMW, metric_step, devices=cpu_devices(2), progress_bar=False)
