@@ -257,7 +257,10 @@ class DistributedSteps(Steps):
             return error
         failure = _comm.describe(error, comm.rank, self.devices[0], **where)
         with anyio.CancelScope(shield=True):  # this rank is raising already
-            failures, _ = await collective(comm.announce, failure, ANNOUNCE_TIMEOUT)
+            failures, interrupted = await collective(comm.announce, failure, ANNOUNCE_TIMEOUT)
+        if isinstance(interrupted, KeyboardInterrupt):  # trio's Ctrl-C, held off meanwhile
+            interrupted.__context__ = error
+            return interrupted
         if isinstance(error, WorkerFailedError):
             error.rank = comm.rank
             others = [f.error() for f in failures if f.rank != comm.rank]

@@ -158,15 +158,19 @@ class _TrioWaker:
         return woken
 
     async def wait_shielded(self, deadline: float | None) -> tuple[bool, BaseException | None]:
-        # trio delivers Ctrl-C to the main task as KeyboardInterrupt, shield or not: held off
-        # as a cancellation is, and returned for the caller to raise once its wait is over.
+        # trio delivers Ctrl-C to the main task as KeyboardInterrupt, shield or not: the first
+        # is held off as a cancellation is, and returned for the caller to raise once its wait
+        # is over; a second raises at once (the way out of a wait that hangs, as asyncio's
+        # runner gives a second Ctrl-C).
         interrupt: BaseException | None = None
         with self._trio.CancelScope(shield=True):
             while True:
                 try:
                     return await self.wait(deadline), interrupt
                 except KeyboardInterrupt as exc:
-                    interrupt = interrupt or exc
+                    if interrupt is not None:
+                        raise
+                    interrupt = exc
 
 
 def current_waker() -> Waker:

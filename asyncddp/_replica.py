@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -416,12 +417,24 @@ def loss_and_metrics(
                 f"{step}'s metric {name!r} has shape {tuple(value.shape)}; metrics are "
                 "scalars, means over the shard's items"
             )
-        if not isinstance(value, (torch.Tensor, numbers.Real)):  # NumPy's scalars too
+        if not isinstance(value, torch.Tensor) and not _is_number(value):
             raise StepOutputError(
                 f"{step}'s metric {name!r} is {_kind(value)}, not a number (an int, a float, "
                 "a NumPy scalar) or a one-element tensor"
             )
     return loss, metrics, items
+
+
+def _is_number(value: object) -> bool:
+    """A real number ``float()`` takes: Python's, NumPy's scalars and bools too (not
+    ``np.timedelta64``, which registers as one but has no ``float()``)."""
+    if not isinstance(value, (numbers.Real, np.bool_)):
+        return False
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _item_count(value: object, step: str) -> int:

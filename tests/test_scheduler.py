@@ -1022,6 +1022,26 @@ async def test_under_trio_ctrl_c_waits_for_every_job_of_a_shielded_step() -> Non
         assert scheduler.progress.steps == 1
 
 
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_under_trio_a_second_ctrl_c_gets_out_of_a_shielded_step_that_hangs() -> None:
+    # With the first Ctrl-C held off, a shielded step with no step_timeout could not be left.
+    release = threading.Event()
+
+    def hangs(ctx: WorkerContext, shard: None) -> None:
+        release.wait(10)
+
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        for delay in (0.1, 0.3):
+            threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)).start()
+        started = time.monotonic()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                await scheduler.run(hangs, [None, None], shield=True)
+        finally:
+            release.set()
+        assert time.monotonic() - started < 5
+
+
 async def test_a_shielded_step_waits_for_every_job_after_a_failure() -> None:
     finished = threading.Event()
 

@@ -560,11 +560,23 @@ async def test_validate_averages_exactly_over_items() -> None:
 async def test_a_numpy_metric_is_a_number() -> None:
     # np.float32 was refused as "not a number or tensor".
     def step(model: nn.Module, batch: Any) -> dict[str, Any]:
-        return {"loss": loss_step(model, batch), "half": np.float32(0.5), "one": np.int64(1)}
+        return {
+            "loss": loss_step(model, batch),
+            "half": np.float32(0.5),
+            "one": np.int64(1),
+            "yes": np.True_,
+        }
 
     trainer = Trainer(make_model(), SGD, step, devices=cpu_devices(2), progress_bar=False)
     result = await trainer.fit(make_batches([4, 3]), epochs=1)
-    assert dict(result.history[0].train_metrics) == {"half": 0.5, "one": 1.0}
+    assert dict(result.history[0].train_metrics) == {"half": 0.5, "one": 1.0, "yes": 1.0}
+
+    def timedelta(model: nn.Module, batch: Any) -> dict[str, Any]:  # NumPy calls it a Real
+        return {"loss": loss_step(model, batch), "days": np.timedelta64(3, "D")}
+
+    trainer = Trainer(make_model(), SGD, timedelta, devices=cpu_devices(2), progress_bar=False)
+    with pytest.raises(StepOutputError, match="'days' is a timedelta64, not a number"):
+        await trainer.fit(make_batches([4, 3]), epochs=1)
 
 
 async def test_reading_buffered_events_is_a_cancellation_point() -> None:
