@@ -456,12 +456,11 @@ class Epochs(DistributedSteps):
         return record
 
     async def _pay_checkpoint(self) -> None:
-        """Write the epoch checkpoint a closed epoch still owes (see `_end_epoch`)."""
-        if self._checkpoint_owed and self.checkpoint_dir is None:  # set to None since
-            self._checkpoint_owed = False
-        if self._checkpoint_owed:
+        """Write the epoch checkpoint a closed epoch still owes (see `_end_epoch`); none if
+        ``checkpoint_dir`` was set to None since. Still owed if the write fails."""
+        if self._checkpoint_owed and self.checkpoint_dir is not None:
             await self._save_epoch_checkpoint()
-            self._checkpoint_owed = False
+        self._checkpoint_owed = False
 
     async def _validate(self, data: Iterable[Any], *, epoch: int | None) -> dict[str, float]:
         jobs = self._jobs()

@@ -222,7 +222,7 @@ class DeviceWorker:
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._setup_error: BaseException | None = None
         # The autocast dtype a new thread has for the device's type (a job may leave another):
-        # read on the worker's thread as it starts.
+        # read again on the worker's thread as it starts (_main).
         self._autocast = torch.get_autocast_dtype(device.type)
         self._thread = threading.Thread(
             target=self._main, name=f"asyncddp-worker[{device.name}]", daemon=True
