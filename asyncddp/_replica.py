@@ -10,6 +10,7 @@ import functools
 import inspect
 import itertools
 import numbers
+import operator
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
@@ -438,20 +439,22 @@ def _is_number(value: object) -> bool:
 
 
 def _item_count(value: object, step: str) -> int:
-    """A step's ``"items"``: a whole number >= 0 (an int, or a one-element tensor)."""
+    """A step's ``"items"``: a whole number >= 0 (an int, NumPy's included, or a one-element
+    tensor)."""
     number = float("nan")
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         number = float(value.detach())  # a host-device sync, as the loss's
         shown = f"{number:g} (a tensor)"
-    elif isinstance(value, int) and not isinstance(value, bool):
-        number = float(value)
+    elif isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+        number = float(operator.index(value))  # Python's or NumPy's integers
         shown = repr(value)
     else:
         shown = repr(value) if isinstance(value, float) else _kind(value)
     if not (number >= 0 and number.is_integer()):
         raise StepOutputError(
             f"{step}'s 'items' is {shown}; it counts the items the loss is the mean over "
-            "(tokens, say): a whole number >= 0, as an int or a one-element tensor"
+            "(tokens, say): a whole number >= 0, as an int (NumPy's included) or a one-element "
+            "tensor"
         )
     return int(number)
 

@@ -3240,6 +3240,22 @@ async def test_a_step_that_counts_its_items_is_the_mean_over_all_of_them(
     assert valid["loss"] == pytest.approx(float((losses * mask).sum() / mask.sum()), rel=1e-5)
 
 
+@pytest.mark.parametrize("kind", [int, np.int64, np.int32], ids=["int", "np.int64", "np.int32"])
+async def test_a_count_of_items_may_be_a_python_or_numpy_integer(kind: Any) -> None:
+    # A count made with NumPy (a mask summed as an array, say) counts as the int it holds.
+    def step(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+        output = token_step(model, batch)
+        return {**output, "items": kind(int(output["items"]))}
+
+    batches = token_batches([7, 8, 6, 7])
+    trainer = Trainer(make_model(), SGD, step, devices=cpu_devices(2), progress_bar=False)
+    result = await trainer.fit(batches, epochs=1)
+    expected, loss = token_reference([[batch] for batch in batches])
+    assert_close(trainer.model, expected)
+    assert result.history[0].items == int(sum(float(mask.sum()) for _, _, mask in batches))
+    assert result.history[0].train_loss == pytest.approx(loss, rel=1e-5)
+
+
 @pytest.mark.parametrize(
     ("devices", "options"),
     [(1, {}), (2, {}), (2, {"step_timeout": 30.0})],
@@ -3374,6 +3390,8 @@ async def test_a_step_that_counts_items_on_some_devices_only_is_a_clear_error() 
         (torch.ones(2), "'items' is a tensor of shape \\(2,\\)"),
         ("3", "'items' is a str"),
         (True, "'items' is a bool"),
+        (np.True_, "'items' is a bool"),
+        (np.float64(3.0), r"'items' is np.float64\(3.0\);"),
     ],
 )
 async def test_a_count_of_items_that_is_not_a_whole_number_is_a_clear_error(
