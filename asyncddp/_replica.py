@@ -13,7 +13,7 @@ import numbers
 import operator
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import numpy as np
 import torch
@@ -445,8 +445,8 @@ def _item_count(value: object, step: str) -> int:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         number = float(value.detach())  # a host-device sync, as the loss's
         shown = f"{number:g} (a tensor)"
-    elif isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
-        number = float(operator.index(value))  # Python's or NumPy's integers
+    elif _is_integer(value):
+        number = float(operator.index(cast(Any, value)))  # Python's or NumPy's integers
         shown = repr(value)
     else:
         shown = repr(value) if isinstance(value, float) else _kind(value)
@@ -457,6 +457,11 @@ def _item_count(value: object, step: str) -> int:
             "tensor"
         )
     return int(number)
+
+
+def _is_integer(value: Any) -> bool:
+    """Python's or NumPy's integers, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def _kind(value: object) -> str:
