@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 import random
 import re
 import tempfile
@@ -67,6 +68,17 @@ def save(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     return target
 
 
+def refused_objects(path: str | os.PathLike[str]) -> list[str]:
+    """The classes and functions in the checkpoint at ``path`` that ``torch.load(weights_only=
+    True)`` refuses, ``load`` with it (a NumPy array in a module's extra state, say): those not
+    allowed by torch or by ``torch.serialization.add_safe_globals``. Reads the pickled
+    structure only, not the tensors' data."""
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:  # a torch without it, or a file it cannot scan: load says
+        return []
+
+
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a checkpoint written by `save`, onto the CPU.
 
@@ -78,11 +90,19 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"no checkpoint at {str(source)!r}")
     try:
         state = torch.load(source, map_location="cpu", weights_only=True)
-    except Exception as exc:
+    except pickle.UnpicklingError as exc:
+        refused = refused_objects(source)  # none in a truncated or corrupt file
+        if not refused:
+            raise _unreadable(source, exc) from exc
         raise CheckpointError(
-            f"checkpoint {str(source)!r} cannot be read; it is truncated or corrupt "
-            f"({type(exc).__name__}: {exc}). Resume from an earlier checkpoint"
+            f"checkpoint {str(source)!r} holds {', '.join(refused)}, which "
+            "torch.load(weights_only=True) does not load (it loads tensors and plain Python "
+            "values only). If you trust the file, allow them before resuming: "
+            "torch.serialization.add_safe_globals([...]) with those classes and functions "
+            "(torch's error, the cause, shows how)"
         ) from exc
+    except Exception as exc:
+        raise _unreadable(source, exc) from exc
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{str(source)!r} is not an asyncddp checkpoint")
     if state.get("version") != VERSION:
@@ -91,6 +111,13 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"asyncddp reads version {VERSION}"
         )
     return state
+
+
+def _unreadable(source: Path, exc: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {str(source)!r} cannot be read; it is truncated or corrupt "
+        f"({type(exc).__name__}: {exc}). Resume from an earlier checkpoint"
+    )
 
 
 #: The entries resuming reads from every state (``Trainer.state_dict()``, a checkpoint).

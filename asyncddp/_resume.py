@@ -147,7 +147,17 @@ class Resumable(Epochs):
     async def _write_checkpoint(self, state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
         """Write ``state`` to ``path`` (atomically, on a thread), then say so: a log record and
         `CheckpointSaved`, with the epoch and step the state holds."""
-        written: Path = await anyio.to_thread.run_sync(_checkpoint.save, state, path)
+        written, refused = await anyio.to_thread.run_sync(_save_and_scan, state, path)
+        if refused:
+            warnings.warn(
+                f"checkpoint {str(written)!r} holds {', '.join(refused)}, which "
+                "torch.load(weights_only=True) does not load, so resuming from it fails (it "
+                "loads tensors and plain Python values only): keep such state as tensors (a "
+                "module's get_extra_state, say), or, to resume, allow them first with "
+                "torch.serialization.add_safe_globals",
+                UserWarning,
+                stacklevel=2,
+            )
         _log.info("checkpoint saved: %s", written)
         self._hub.publish(CheckpointSaved(str(written), state["epoch"], state["global_step"]))
         return written
@@ -224,3 +234,10 @@ def _record_dict(record: EpochRecord) -> dict[str, Any]:
         "train_metrics": dict(record.train_metrics),
         "valid_metrics": dict(record.valid_metrics) if record.valid_metrics is not None else None,
     }
+
+
+def _save_and_scan(state: dict[str, Any], path: str | os.PathLike[str]) -> tuple[Path, list[str]]:
+    """Write the checkpoint, then name what in it a resume's ``torch.load(weights_only=True)``
+    would refuse (cheap: the pickled structure only)."""
+    written = _checkpoint.save(state, path)
+    return written, _checkpoint.refused_objects(written)

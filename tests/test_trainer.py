@@ -1658,6 +1658,66 @@ async def test_a_corrupt_checkpoint_raises_a_clear_error(tmp_path: Any) -> None:
         await trainer.fit(make_batches([2]), resume="latest")
 
 
+class NumpyExtraState(nn.Linear):
+    """A module that keeps a NumPy array as extra state (an input normaliser's mean, say)."""
+
+    def __init__(self) -> None:
+        super().__init__(FEATURES, 3)
+        self.mean = np.zeros(FEATURES)
+
+    def get_extra_state(self) -> Any:
+        return {"mean": self.mean}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.mean = state["mean"]
+
+
+async def test_a_checkpoint_that_resuming_cannot_load_warns_as_it_is_written(
+    tmp_path: Any,
+) -> None:
+    # torch.load(weights_only=True) refuses the NumPy array: without the warning, every
+    # checkpoint was written without a word and each resume said it was "truncated or corrupt".
+    trainer = Trainer(
+        NumpyExtraState(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(2),
+        progress_bar=False,
+        checkpoint_dir=tmp_path,
+    )
+    with pytest.warns(UserWarning, match=r"holds .*numpy\.ndarray.*resuming from it fails"):
+        await trainer.fit(make_batches([4]), epochs=1)
+    resumed = Trainer(
+        NumpyExtraState(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(2),
+        progress_bar=False,
+        checkpoint_dir=tmp_path,
+    )
+    with pytest.raises(
+        asyncddp.CheckpointError, match=r"holds .*numpy\.ndarray.*add_safe_globals"
+    ) as info:
+        await resumed.fit(make_batches([4]), epochs=2, resume="latest")
+    assert "corrupt" not in str(info.value)
+    assert resumed.global_step == 0
+    # Allowed as the error says, the same file resumes.
+    with torch.serialization.safe_globals(
+        [np.ndarray, np.dtype, type(np.dtype(np.float64)), np._core.multiarray._reconstruct]
+    ):
+        result = await resumed.fit(make_batches([4]), epochs=2, resume="latest")
+    assert result.global_step == 2
+    # State a resume loads writes without a word (filterwarnings = error).
+    await Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(2),
+        progress_bar=False,
+        checkpoint_dir=tmp_path / "plain",
+    ).fit(make_batches([4]), epochs=1)
+
+
 # -- bad input -----------------------------------------------------------------------------------
 
 
