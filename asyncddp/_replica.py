@@ -29,10 +29,12 @@ __all__ = [
     "SchedulerFactory",
     "StepFunction",
     "build_replica",
+    "carry_parameter_extras",
     "check_rebuilt",
     "has_sparse_gradients",
     "lives_on",
     "loss_and_metrics",
+    "group_layout",
     "mirror",
     "move_to",
 ]
@@ -208,8 +210,9 @@ def _refuse(what: str) -> NoReturn:
 
 def mirror(replica: Replica, first: Replica) -> None:
     """Make ``replica`` what ``first`` (``trainer.model``) is now: its parameters' and
-    buffers' values, which parameters require grad, and every module's train/eval mode and
-    extra state (``get_extra_state``).
+    buffers' values, which parameters require grad, the parameters' attributes and gradient
+    hooks (`carry_parameter_extras`), and every module's train/eval mode and extra state
+    (``get_extra_state``).
 
     Runs on ``replica``'s worker before a fit or a validation, so that what a user changed on
     ``trainer.model`` since the last call (weights loaded, a layer frozen, ``.eval()``) holds
@@ -225,11 +228,38 @@ def mirror(replica: Replica, first: Replica) -> None:
             replica.model.buffers(), first.model.buffers(), strict=True
         ):
             buffer.copy_(first_buffer)
+    carry_parameter_extras(replica.model, first.model)
     for module, source in zip(replica.model.modules(), first.model.modules(), strict=True):
         module.training = source.training
         if type(source).get_extra_state is not nn.Module.get_extra_state:
             module.set_extra_state(copy.deepcopy(source.get_extra_state()))
     replica.buffers = list(replica.model.buffers())
+
+
+def carry_parameter_extras(model: nn.Module, source: nn.Module) -> None:
+    """Give each parameter of ``model`` (a copy of ``source``) what ``copy.deepcopy`` leaves
+    behind (``Parameter.__deepcopy__`` copies the values and ``requires_grad`` alone): the
+    attributes set on its counterpart (``p._no_weight_decay = True``, which an optimizer
+    factory may group by) and its gradient hooks (``register_hook``: a mask on an
+    embedding's rows, say). The hooks are the counterpart's own dict, shared: a hook
+    registered on ``trainer.model`` later, or removed through its handle, holds for every
+    replica at once."""
+    pairs = zip(model.parameters(), source.parameters(), strict=True)
+    for param, theirs in pairs:
+        if param is theirs:
+            continue
+        attributes = vars(param)
+        attributes.clear()
+        attributes.update(vars(theirs))
+        param._backward_hooks = theirs._backward_hooks
+
+
+def group_layout(replica: Replica) -> list[list[int]]:
+    """Which parameters (by their place in ``model.parameters()``) each of the replica's
+    optimizer's groups holds, in order: the same on every replica, or their optimizers step
+    differently."""
+    place = {id(p): index for index, p in enumerate(replica.model.parameters())}
+    return [[place[id(p)] for p in group["params"]] for group in replica.optimizer.param_groups]
 
 
 def lives_on(model: nn.Module, device: torch.device) -> bool:

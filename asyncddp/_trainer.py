@@ -79,6 +79,8 @@ from ._replica import (
     SchedulerFactory,
     StepFunction,
     build_replica,
+    carry_parameter_extras,
+    group_layout,
     has_sparse_gradients,
     move_to,
 )
@@ -852,7 +854,9 @@ class Trainer(Resumable):
         def copy_source(ctx: Any, _: None) -> nn.Module | None:
             if ctx.device.index == 0:
                 return None
-            return copy.deepcopy(source).to(ctx.device.torch_device)
+            model = copy.deepcopy(source)
+            carry_parameter_extras(model, source)  # before the optimizer factory groups them
+            return model.to(ctx.device.torch_device)
 
         def build(ctx: Any, model: nn.Module | None) -> Replica:
             device = self.devices[ctx.device.index]
@@ -882,7 +886,21 @@ class Trainer(Resumable):
             raise
         finally:
             scheduler.step_timeout = timeout
-        self._replicas = list(result.outputs)
+        replicas: list[Replica] = list(result.outputs)
+        layouts = [group_layout(replica) for replica in replicas]
+        for replica, layout in zip(replicas[1:], layouts[1:], strict=True):
+            if layout != layouts[0]:
+                raise ConfigurationError(
+                    "the optimizer factory grouped the parameters of "
+                    f"{replica.device.name}'s copy of the model otherwise than those of "
+                    f"{replicas[0].device.name}'s (groups of {[len(g) for g in layout]} and "
+                    f"{[len(g) for g in layouts[0]]} parameters), so their optimizers would "
+                    "step differently. Group the parameters the factory is given by what "
+                    "every copy's have: their shape (p.ndim < 2 for biases and norms) or an "
+                    "attribute set on them (copied to each replica), not by membership in a "
+                    "set of trainer.model's own parameters, which no copy's are"
+                )
+        self._replicas = replicas
 
     def _new_scheduler(self) -> StepScheduler:
         return StepScheduler(

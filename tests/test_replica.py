@@ -301,3 +301,109 @@ async def test_a_buffer_registered_between_fits_is_refused_on_any_number_of_devi
     trainer.model[0].register_buffer("scale", torch.ones(16))
     with pytest.raises(ConfigurationError, match="a buffer was registered"):
         await trainer.fit(make_batches([4]), epochs=2)
+
+
+def mask_rows(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient hook that trains the first layer's last 8 rows only."""
+    mask = torch.zeros_like(grad)
+    mask[8:] = 1
+    return grad * mask
+
+
+@pytest.mark.parametrize("devices", [1, 2, 3])
+async def test_a_parameter_s_gradient_hook_holds_on_every_device(devices: int) -> None:
+    # copy.deepcopy (how the other devices' replicas are made) drops a parameter's hooks: the
+    # second device's gradient went unmasked into the average, and rows 0-7 moved by 0.05.
+    batches = make_batches([7, 6, 5])
+    expected = make_model()
+    handle = expected[0].weight.register_hook(mask_rows)
+    plain_epoch(expected, SGD(expected.parameters()), batches)
+    model = make_model()
+    start = model[0].weight.detach().clone()
+    hook = model[0].weight.register_hook(mask_rows)
+    trainer = trainer_on(devices, model)
+    await trainer.fit(batches, epochs=1)
+    assert torch.equal(trainer.model[0].weight[:8], start[:8])
+    assert_matches(trainer, expected)
+    # A hook removed through its handle, between fits, is gone on every device too.
+    handle.remove()
+    hook.remove()
+    plain_epoch(expected, SGD(expected.parameters()), batches)  # momentum restarts: compare rows
+    before = trainer.model[0].weight.detach().clone()
+    await trainer.fit(batches, epochs=2)
+    moved = (trainer.model[0].weight[:8] - before[:8]).abs().amax(dim=1)
+    assert bool((moved > 0).all())
+    for replica in trainer._replicas[1:]:
+        torch.testing.assert_close(replica.model[0].weight, trainer.model[0].weight)
+
+
+async def test_a_hook_registered_between_fits_holds_on_every_device() -> None:
+    batches = make_batches([7, 6, 5])
+    expected = make_model()
+    optimizer = SGD(expected.parameters())
+    plain_epoch(expected, optimizer, batches)
+    expected[0].weight.register_hook(mask_rows)
+    plain_epoch(expected, optimizer, batches)
+    trainer = trainer_on(2, make_model())
+    await trainer.fit(batches, epochs=1)
+    trainer.model[0].weight.register_hook(mask_rows)
+    await trainer.fit(batches, epochs=2)
+    assert_matches(trainer, expected)
+
+
+def decay_by_flag(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """Parameter groups by an attribute set on the parameters (Mamba's ``_no_weight_decay``)."""
+    plain = [p for p in params if getattr(p, "_no_weight_decay", False)]
+    decayed = [p for p in params if not getattr(p, "_no_weight_decay", False)]
+    return torch.optim.AdamW(
+        [{"params": decayed, "weight_decay": 0.5}, {"params": plain, "weight_decay": 0.0}],
+        lr=0.05,
+    )
+
+
+def flagged_model() -> nn.Sequential:
+    model = make_model()
+    for name, param in model.named_parameters():
+        if name.endswith("bias") or name.startswith("0."):
+            param._no_weight_decay = True  # type: ignore[attr-defined]
+    return model
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+async def test_an_optimizer_grouped_by_parameter_attributes_groups_alike_on_every_device(
+    devices: int,
+) -> None:
+    # The copies' parameters lost the flag: one device decayed every parameter, and the
+    # replicas drifted apart without a word.
+    batches = make_batches([7, 6, 5])
+    expected = flagged_model()
+    plain_epoch(expected, decay_by_flag(list(expected.parameters())), batches)
+    trainer = Trainer(
+        flagged_model(), decay_by_flag, loss_step, devices=cpu_devices(devices), progress_bar=False
+    )
+    await trainer.fit(batches, epochs=1)
+    assert_matches(trainer, expected)
+    sizes = [[len(g["params"]) for g in r.optimizer.param_groups] for r in trainer._replicas]
+    assert sizes == [[1, 3]] * devices
+
+
+async def test_an_optimizer_grouped_by_trainer_model_s_own_parameters_is_refused() -> None:
+    # A set of the model's parameters made outside the factory holds none of a copy's: the
+    # other devices' optimizers put every parameter in the second group.
+    model = make_model()
+    biases = {p for name, p in model.named_parameters() if name.endswith("bias")}
+
+    def factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            [
+                {"params": [p for p in params if p in biases], "weight_decay": 0.0},
+                {"params": [p for p in params if p not in biases]},
+            ]
+        )
+
+    trainer = Trainer(model, factory, loss_step, devices=cpu_devices(2), progress_bar=False)
+    with pytest.raises(ConfigurationError, match=r"grouped the parameters of cpu#1's copy"):
+        await trainer.fit(make_batches([4]), epochs=1)
+    # On one device there is no copy, and nothing to refuse.
+    one = Trainer(make_model(), factory, loss_step, devices=cpu_devices(1), progress_bar=False)
+    await one.fit(make_batches([4]), epochs=1)
