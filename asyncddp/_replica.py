@@ -67,7 +67,6 @@ class Replica:
         self.built_modules = sum(1 for _ in model.modules())
         self.built_buffers = _buffer_kinds(model)
         self.built_layouts = [_layout(p) for p in self.built_params]
-        self.buffers = list(model.buffers())
         self.grads = FlatGrads(self.params, 1, 0, loose=True)  # until regroup() says
         self.backup = StepBackup()
         #: The optimizer step (by apply id) this replica took and may have to undo.
@@ -89,6 +88,14 @@ class Replica:
             param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
 
     @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The model's buffers as they are now: read again each time (as DDP reads them before
+        each broadcast), since a module may assign a new tensor to one in its forward
+        (``self.mean = 0.9 * self.mean + 0.1 * x.mean(0)``), and a list kept from before
+        would sync and restore a tensor the module no longer holds."""
+        return list(self.model.buffers()) if self.built_buffers else []
+
+    @property
     def used(self) -> list[bool]:
         return self._used.flags
 
@@ -108,14 +115,17 @@ class Replica:
         self.grads.attach()
         self.grads.zero_()
         self.used = [False] * len(self.params)
-        if not self.buffers:
+        buffers = self.buffers
+        if not buffers:
             return
         self.buffers_saved_for = window
         with torch.no_grad():
-            if self.buffer_backup is None:
-                self.buffer_backup = [b.detach().clone() for b in self.buffers]
+            backup = self.buffer_backup
+            if backup is None or list(map(_layout, backup)) != list(map(_layout, buffers)):
+                # The first window, or a buffer the model assigned anew in another shape.
+                self.buffer_backup = [b.detach().clone() for b in buffers]
             else:
-                for saved, buffer in zip(self.buffer_backup, self.buffers, strict=True):
+                for saved, buffer in zip(backup, buffers, strict=True):
                     saved.copy_(buffer)
 
     def used_mask(self) -> int:
@@ -176,7 +186,6 @@ def check_rebuilt(first: Replica) -> None:
         _refuse("a module was added or removed")
     if _buffer_kinds(first.model) != first.built_buffers:
         _refuse("a buffer was registered, removed, reshaped or cast")
-    first.buffers = list(first.model.buffers())  # one replaced since (a running mean assigned)
     thawed = [names[id(p)] for p in now if p.requires_grad and id(p) not in trained]
     if thawed:
         warnings.warn(
@@ -233,7 +242,6 @@ def mirror(replica: Replica, first: Replica) -> None:
         module.training = source.training
         if type(source).get_extra_state is not nn.Module.get_extra_state:
             module.set_extra_state(copy.deepcopy(source.get_extra_state()))
-    replica.buffers = list(replica.model.buffers())
 
 
 def carry_parameter_extras(model: nn.Module, source: nn.Module) -> None:

@@ -407,3 +407,72 @@ async def test_an_optimizer_grouped_by_trainer_model_s_own_parameters_is_refused
     # On one device there is no copy, and nothing to refuse.
     one = Trainer(make_model(), factory, loss_step, devices=cpu_devices(1), progress_bar=False)
     await one.fit(make_batches([4]), epochs=1)
+
+
+class RunningMean(nn.Module):
+    """Subtracts a running mean of its inputs, kept in a buffer updated in place or assigned
+    anew (``self.mean = ...``), as hand-written normalisers do."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.in_place = in_place
+        self.register_buffer("mean", torch.zeros(FEATURES))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            update = inputs.detach().mean(dim=0)
+            if self.in_place:
+                self.mean.mul_(0.5).add_(update, alpha=0.5)
+            else:
+                self.mean = 0.5 * self.mean + 0.5 * update
+        return inputs - self.mean
+
+
+@pytest.mark.parametrize("options", [{}, {"step_timeout": 30.0}], ids=["fused", "jobs-apart"])
+async def test_a_buffer_assigned_anew_in_the_forward_follows_the_first_device(
+    options: dict[str, float],
+) -> None:
+    # The buffers synced after each step were a list kept from when the replicas were built:
+    # a buffer the forward assigned anew was never synced (the second device's mean went its
+    # own way, 0.6 off after 3 steps) and the weights trained apart from in-place updates'.
+    results = []
+    for in_place in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(RunningMean(in_place), nn.Linear(FEATURES, 3))
+        trainer = Trainer(
+            model, SGD, loss_step, devices=cpu_devices(2), progress_bar=False, **options
+        )
+        await trainer.fit(make_batches([8, 6, 8]), epochs=2)
+        first, second = (replica.model for replica in trainer._replicas)
+        assert torch.equal(first[0].mean, second[0].mean)
+        assert torch.equal(first[1].weight, second[1].weight)
+        results.append(trainer.model.state_dict())
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_a_step_retried_puts_back_a_buffer_assigned_anew_in_its_forward(
+    devices: int,
+) -> None:
+    # Undoing a failed step's forwards copied the saved values into the tensor the buffer
+    # held before the forward, not the one the module holds now.
+    results = []
+    for in_place in (True, False):
+        failed: list[bool] = []
+
+        def flaky(model: nn.Module, batch: Batch, failed: list[bool] = failed) -> torch.Tensor:
+            loss = loss_step(model, batch)  # the forward updates the mean first
+            if batch[0].shape[0] in (6, 12) and not failed:  # the second batch
+                failed.append(True)
+                raise RuntimeError("flaky device")
+            return loss
+
+        torch.manual_seed(0)
+        model = nn.Sequential(RunningMean(in_place), nn.Linear(FEATURES, 3))
+        trainer = Trainer(
+            model, SGD, flaky, devices=cpu_devices(devices), progress_bar=False, on_failure="retry"
+        )
+        await trainer.fit(make_batches([8, 12, 8]), epochs=1)
+        assert failed
+        results.append(trainer.model.state_dict())
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
