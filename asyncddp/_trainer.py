@@ -953,6 +953,17 @@ def _check_data(data: Iterable[Any], name: str, passes: int) -> None:
             "event loop. Pass a plain iterable: the batches in a list, or a generator that "
             "reads them from a queue.Queue your async code fills"
         )
+    if not hasattr(data, "__iter__") and not hasattr(data, "__getitem__"):
+        called = (
+            f" (a generator function: pass {getattr(data, '__name__', name)}() to iterate what "
+            "it yields, and for several epochs an object whose __iter__ calls it)"
+            if inspect.isgeneratorfunction(data)
+            else ""
+        )
+        raise DataError(
+            f"{name} is not iterable: {type(data).__name__} {data!r}{called}. Pass an iterable "
+            "of batches: a list of them, or a DataLoader"
+        )
     if isinstance(data, torch.Tensor):
         raise DataError(
             f"{name} is a tensor of shape {tuple(data.shape)}: iterated, it gives its rows, "

@@ -1789,6 +1789,10 @@ async def async_batches() -> Any:
         yield batch
 
 
+def generate_batches() -> Any:
+    yield from make_batches([4])
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [
@@ -1803,6 +1807,9 @@ async def async_batches() -> Any:
         (iter([]), r"yielded no batches.*an iterator, such as a generator"),
         # TypeError: 'async_generator' object is not iterable, from the loader thread.
         (async_batches(), r"train_data is an async iterable \(async_generator\).*queue\.Queue"),
+        # TypeError: 'function' object is not iterable, from the loader thread.
+        (generate_batches, r"not iterable: function .*function: pass generate_batches\(\)"),
+        (5, r"train_data is not iterable: int 5\. Pass an iterable of batches"),
     ],
 )
 async def test_bad_data_is_a_clear_error(data: Any, message: str) -> None:
