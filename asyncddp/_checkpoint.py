@@ -315,8 +315,9 @@ def check_optimizer_fits(saved: Any, optimizer: torch.optim.Optimizer) -> None:
 
 def on_meta(model: nn.Module) -> nn.Module | None:
     """A copy of ``model`` whose parameters, buffers and tensor attributes are empty tensors
-    on the meta device; ``None`` for a model that cannot be copied (a lock among its
-    attributes, say)."""
+    on the meta device, the parameters with the attributes set on them (as the replicas have
+    them, see ``_replica.carry_parameter_extras``); ``None`` for a model that cannot be copied
+    (a lock among its attributes, say)."""
     memo: dict[int, Any] = {}
     tensors = [*model.parameters(), *model.buffers()]
     for module in model.modules():  # a plain tensor attribute would be copied for real
@@ -325,11 +326,10 @@ def on_meta(model: nn.Module) -> nn.Module | None:
         if id(tensor) in memo or nn.parameter.is_lazy(tensor):
             continue  # a lazy module's has no data to leave behind
         meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = (
-            nn.Parameter(meta, requires_grad=tensor.requires_grad)
-            if isinstance(tensor, nn.Parameter)
-            else meta
-        )
+        if isinstance(tensor, nn.Parameter):
+            meta = nn.Parameter(meta, requires_grad=tensor.requires_grad)
+            vars(meta).update(vars(tensor))  # an optimizer factory may group by them
+        memo[id(tensor)] = meta
     try:
         return copy.deepcopy(model, memo)
     except Exception:

@@ -510,3 +510,39 @@ async def test_the_check_changes_nothing_outside_its_probe() -> None:
     probe = _checkpoint.on_meta(model)
     assert probe is not None
     assert {t.device.type for t in (probe.weight, probe.bias, probe.table)} == {"meta"}
+
+
+def flagged(module: nn.Module) -> nn.Module:
+    """``module`` with its biases flagged to take no weight decay (Mamba's attribute)."""
+    for name, param in module.named_parameters():
+        if name.endswith("bias"):
+            param._no_weight_decay = True  # type: ignore[attr-defined]
+    return module
+
+
+def decay_by_flag(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    flags = [getattr(p, "_no_weight_decay", False) for p in params]
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p, flag in zip(params, flags, strict=True) if not flag]},
+            {
+                "params": [p for p, flag in zip(params, flags, strict=True) if flag],
+                "weight_decay": 0,
+            },
+        ]
+    )
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["new-trainer", "after-a-fit"])
+async def test_a_state_of_an_optimizer_grouped_by_parameter_attributes_loads(built: bool) -> None:
+    # The probe the state is checked on is a copy of the model whose parameters had lost
+    # their attributes: the factory put every parameter in one group, and the trainer's own
+    # state was refused ("doesn't match the size of optimizer's group").
+    donor = make_trainer(2, model=lambda: flagged(nn.Linear(4, 2)), optimizer=decay_by_flag)
+    await donor.fit(batches(), epochs=1)
+    trainer = make_trainer(2, model=lambda: flagged(nn.Linear(4, 2)), optimizer=decay_by_flag)
+    if built:
+        await trainer.fit(batches(), epochs=1)
+    trainer.load_state_dict(donor.state_dict())
+    result = await trainer.fit(batches(), epochs=2)
+    assert result.global_step == 6
