@@ -362,6 +362,22 @@ def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
     return max(found)[2] if found else None
 
 
+def check_writable(folder: Path) -> None:
+    """Make ``folder`` (and its parents) and write a file there, so that a folder checkpoints
+    cannot be written to fails before training rather than after an epoch of it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".asyncddp-write-check.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise CheckpointError(
+            f"checkpoint_dir {str(folder)!r} cannot be written ({type(exc).__name__}: "
+            f"{exc.strerror or exc}): fit writes a checkpoint there after every epoch. Give a "
+            "folder you can write to, or checkpoint_dir=None for no checkpoints"
+        ) from exc
+
+
 #: Where a loader keeps generators of its own: ``DataLoader(generator=...)`` (which draws the
 #: workers' base seed, and which ``shuffle=True`` hands to its ``RandomSampler``), or a sampler's.
 _LOADER_GENERATORS = (

@@ -196,6 +196,13 @@ class Resumable(Epochs):
                 )
         return await anyio.to_thread.run_sync(_checkpoint.load, path)
 
+    async def _check_checkpoint_dir(self) -> None:
+        """Refuse a ``checkpoint_dir`` that cannot be written, before a fit trains (on rank 0,
+        which writes the checkpoints)."""
+        if self.checkpoint_dir is None or (self._comm is not None and self._comm.rank != 0):
+            return
+        await anyio.to_thread.run_sync(_checkpoint.check_writable, self.checkpoint_dir)
+
     async def _warn_if_checkpoints_ahead(self) -> None:
         """Warn where ``checkpoint_dir`` holds a checkpoint further on than this trainer, in a
         fit that does not resume: another run's, whose files this one would write beside and

@@ -470,7 +470,8 @@ class Trainer(Resumable):
             DataError: the data yields no batch, or a batch cannot be split, or it is an
                 iterator (a generator, say), which can be read once, and more than one epoch
                 is to run, or a map-style ``Dataset`` (pass a ``DataLoader`` over it).
-            CheckpointError: ``resume`` names a checkpoint that cannot be read.
+            CheckpointError: ``resume`` names a checkpoint that cannot be read, or
+                ``checkpoint_dir`` cannot be written (before any step).
             ConfigurationError: ``epochs < 1``, or ``resume="latest"`` without a
                 ``checkpoint_dir`` (or with a file there), or the optimizer or LR scheduler
                 factory raised (its error is the cause).
@@ -510,6 +511,7 @@ class Trainer(Resumable):
             await self._wait_for_checkpoint_session()
             if resume is None:
                 await self._warn_if_checkpoints_ahead()
+            await self._check_checkpoint_dir()
             if state is not None:
                 self._adopt(state)
             elif resume is not None:  # "latest", and no checkpoint yet (on rank 0)

@@ -1658,6 +1658,32 @@ async def test_a_corrupt_checkpoint_raises_a_clear_error(tmp_path: Any) -> None:
         await trainer.fit(make_batches([2]), resume="latest")
 
 
+@pytest.mark.parametrize("resume", [None, "latest"])
+async def test_a_checkpoint_dir_that_cannot_be_written_fails_before_any_step(
+    tmp_path: Any, resume: str | None
+) -> None:
+    # It failed once the first epoch had trained, with a bare NotADirectoryError.
+    (tmp_path / "a-file").write_text("")
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(2),
+        progress_bar=False,
+        checkpoint_dir=tmp_path / "a-file" / "checkpoints",
+    )
+    with pytest.raises(asyncddp.CheckpointError, match=r"checkpoint_dir .* cannot be written"):
+        await trainer.fit(make_batches([4, 4]), epochs=1, resume=resume)
+    assert trainer.global_step == 0
+    trainer.checkpoint_dir = tmp_path / "checkpoints"
+    if resume is not None:
+        with pytest.warns(UserWarning, match="no checkpoint in"):
+            await trainer.fit(make_batches([4, 4]), epochs=1, resume=resume)
+    else:
+        await trainer.fit(make_batches([4, 4]), epochs=1)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["epoch0001-step000002.ckpt"]
+
+
 class NumpyExtraState(nn.Linear):
     """A module that keeps a NumPy array as extra state (an input normaliser's mean, say)."""
 
