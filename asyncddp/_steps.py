@@ -257,46 +257,55 @@ class Steps:
     ) -> None:
         """Apply the failure policy: raise, or undo and get ``window`` ready to run again.
         ``last``: the error type of this window's last failed attempt, if any."""
-        if isinstance(error.__cause__, (PeerFailed, RankLost)):
-            await self._abandon_quietly()
-            raise error  # another rank's failure: the trainer names it
-        if isinstance(error.__cause__, StepOutputError):
-            await self._abandon_quietly()
-            raise error.__cause__ from None  # a mistake in the step, not a device fault
-        if isinstance(error.__cause__, NonFiniteLoss):
-            await self._abandon_quietly()
-            nonfinite = NonFiniteLossError(
-                loss=error.__cause__.loss,
-                device=error.device,
-                step=error.step,
-                epoch=error.epoch,
-                phase=error.phase,
-            )
-            self._publish_failure(nonfinite, "raise")
-            raise nonfinite from error.__cause__
-        failed = {error.device.name, *(f.device.name for f in error.other_failures)}
-        action = self._next_action(failed, attempt)
-        if action == "drop" and error.error_type == last:
-            # The same error again, on a device the batch went to once the last one was
-            # dropped: it follows the batch (bad data, a bug in the step), and dropping every
-            # device in turn would not mend it.
-            action = "raise"
-            error.add_note(
-                f"on_failure='drop' dropped a device for this error ({last}) in this step "
-                "already: it follows the batch (its data, or the step), not a device"
-            )
-        self._publish_failure(error, action)
-        if action == "raise":
-            if not isinstance(error, WorkerTimeoutError):  # a hung device cannot undo
+        try:
+            if isinstance(error.__cause__, (PeerFailed, RankLost)):
                 await self._abandon_quietly()
-            raise error
-        if action == "drop":
-            await self._drop_devices(failed)
-        if await self._abandon() or not self._consistent:
-            self._consistent = False
-            raise error
-        window.restart(len(self.devices), self.split_batches)
-        self._hub.publish(StepRetried(epoch, self.global_step, attempt + 1))
+                raise error  # another rank's failure: the trainer names it
+            if isinstance(error.__cause__, StepOutputError):
+                await self._abandon_quietly()
+                raise error.__cause__ from None  # a mistake in the step, not a device fault
+            if isinstance(error.__cause__, NonFiniteLoss):
+                await self._abandon_quietly()
+                nonfinite = NonFiniteLossError(
+                    loss=error.__cause__.loss,
+                    device=error.device,
+                    step=error.step,
+                    epoch=error.epoch,
+                    phase=error.phase,
+                )
+                self._publish_failure(nonfinite, "raise")
+                try:
+                    raise nonfinite from error.__cause__
+                finally:
+                    del nonfinite  # this frame is in its traceback: no cycle through it
+            failed = {error.device.name, *(f.device.name for f in error.other_failures)}
+            action = self._next_action(failed, attempt)
+            if action == "drop" and error.error_type == last:
+                # The same error again, on a device the batch went to once the last one was
+                # dropped: it follows the batch (bad data, a bug in the step), and dropping every
+                # device in turn would not mend it.
+                action = "raise"
+                error.add_note(
+                    f"on_failure='drop' dropped a device for this error ({last}) in this step "
+                    "already: it follows the batch (its data, or the step), not a device"
+                )
+            self._publish_failure(error, action)
+            if action == "raise":
+                if not isinstance(error, WorkerTimeoutError):  # a hung device cannot undo
+                    await self._abandon_quietly()
+                raise error
+            if action == "drop":
+                await self._drop_devices(failed)
+            if await self._abandon() or not self._consistent:
+                self._consistent = False
+                raise error
+            window.restart(len(self.devices), self.split_batches)
+            self._hub.publish(StepRetried(epoch, self.global_step, attempt + 1))
+        finally:
+            # The traceback of what this raises holds this frame: without the error in it,
+            # no error -> traceback -> frame -> error cycle keeps the failed step's tensors
+            # (its inputs, activations, graph) alive until the cyclic collector runs.
+            del error
 
     def _publish_failure(self, error: WorkerFailedError, action: str) -> None:
         """Tell the event streams that a device of this process failed, and what comes next."""

@@ -558,9 +558,12 @@ class Trainer(Resumable):
             raised = await self._across_ranks(error)
             ended = FitEnded(self.epoch, self.global_step, False, error=_describe(raised))
             self._hub.publish(ended)
-            if raised is not error:
-                raise raised from raised.__cause__
-            raise
+            try:
+                if raised is not error:
+                    raise raised from raised.__cause__
+                raise
+            finally:
+                del raised  # no cycle through this frame (see _steps._on_failure)
         if not self._batches_done:  # no epoch left unfinished: let the iterator go
             self._last_iterator = None
         stopped = self._stopping()
@@ -593,9 +596,12 @@ class Trainer(Resumable):
                 return await self._validate(data, epoch=None)
         except BaseException as error:
             raised = await self._across_ranks(error)
-            if raised is not error:
-                raise raised from raised.__cause__
-            raise
+            try:
+                if raised is not error:
+                    raise raised from raised.__cause__
+                raise
+            finally:
+                del raised  # no cycle through this frame (see _steps._on_failure)
 
     def _check_continued(self, data: Iterable[Any], passes: int) -> None:
         """Refuse to continue an epoch with an iterator that was read before: continuing
