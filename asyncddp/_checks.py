@@ -8,6 +8,8 @@ import math
 import numbers
 import operator
 import os
+import sys
+import warnings
 from typing import Any
 
 import numpy as np
@@ -74,3 +76,16 @@ def check_path(name: str, value: Any) -> None:
         raise ConfigurationError(
             f"{name} must be a path (str or os.PathLike) or None, got {value!r}"
         )
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` at the first frame outside asyncddp: the user's line that called
+    into it (``await trainer.fit(...)``; a coroutine's caller is its frame's ``f_back`` while
+    it runs), however deep in the library the warning is raised."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame = sys._getframe(1)  # the caller of warn_user
+    level = 2  # stacklevel=2: the caller of warn_user
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    warnings.warn(message, category, stacklevel=level)

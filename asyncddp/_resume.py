@@ -24,6 +24,7 @@ import anyio
 from torch import nn
 
 from . import _checkpoint
+from ._checks import warn_user
 from ._dsteps import collective
 from ._epochs import EpochRecord, Epochs
 from ._events import CheckpointSaved
@@ -149,14 +150,12 @@ class Resumable(Epochs):
         `CheckpointSaved`, with the epoch and step the state holds."""
         written, refused = await anyio.to_thread.run_sync(_save_and_scan, state, path)
         if refused:
-            warnings.warn(
+            warn_user(
                 f"checkpoint {str(written)!r} holds {', '.join(refused)}, which "
                 "torch.load(weights_only=True) does not load, so resuming from it fails (it "
                 "loads tensors and plain Python values only): keep such state as tensors (a "
                 "module's get_extra_state, say), or, to resume, allow them first with "
-                "torch.serialization.add_safe_globals",
-                UserWarning,
-                stacklevel=2,
+                "torch.serialization.add_safe_globals"
             )
         _log.info("checkpoint saved: %s", written)
         self._hub.publish(CheckpointSaved(str(written), state["epoch"], state["global_step"]))

@@ -1711,8 +1711,9 @@ async def test_a_checkpoint_that_resuming_cannot_load_warns_as_it_is_written(
         progress_bar=False,
         checkpoint_dir=tmp_path,
     )
-    with pytest.warns(UserWarning, match=r"holds .*numpy\.ndarray.*resuming from it fails"):
+    with pytest.warns(UserWarning, match=r"holds .*numpy\.ndarray.*resuming from it fails") as seen:
         await trainer.fit(make_batches([4]), epochs=1)
+    assert seen[0].filename == __file__  # the user's await, not a line of asyncddp's
     resumed = Trainer(
         NumpyExtraState(),
         SGD,
