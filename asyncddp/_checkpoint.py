@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ._checks import warn_user
 from ._exceptions import CheckpointError, ConfigurationError
 
 __all__ = [
@@ -194,11 +195,19 @@ def check_fits(
         if optimizer is not None:
             check_optimizer_fits(saved_optimizer, optimizer)
         if probe_optimizer is not None:
-            fresh = [set(group) for group in probe_optimizer.param_groups]
+            factory_settings = [dict(group) for group in probe_optimizer.param_groups]
             _try_load(probe_optimizer, saved_optimizer, "optimizer")
-            loaded = [set(group) for group in probe_optimizer.param_groups]
+            loaded = probe_optimizer.param_groups
             _check_kind(
-                "optimizer", {key for f, g in zip(fresh, loaded, strict=True) for key in f - g}
+                "optimizer",
+                {
+                    key
+                    for mine, theirs in zip(factory_settings, loaded, strict=True)
+                    for key in set(mine) - set(theirs)
+                },
+            )
+            _warn_if_settings_differ(
+                factory_settings, loaded, scheduled=saved_scheduler is not None
             )
     if saved_scheduler is not None and make_scheduler is not None and probe_optimizer is not None:
         probe_scheduler = made(make_scheduler, probe_optimizer)
@@ -240,6 +249,49 @@ def _missing_settings(fresh: Any, saved: Any) -> set[str]:
         for mine, theirs in zip(inner, saved_inner, strict=True):
             missing |= _missing_settings(mine, theirs)
     return missing
+
+
+#: Settings an LR scheduler changes as it steps (OneCycleLR and CyclicLR cycle the momentum,
+#: and set the learning rate from their own settings): the state's differ from the factory's
+#: for that reason alone.
+_SCHEDULED = ("lr", "initial_lr", "momentum", "betas")
+
+
+def _warn_if_settings_differ(
+    factory: list[dict[str, Any]], loaded: list[dict[str, Any]], *, scheduled: bool
+) -> None:
+    """Warn where the state's optimizer settings (its parameter groups' ``lr``,
+    ``weight_decay``, ...) differ from those the optimizer factory gives: loading takes the
+    state's, as torch's ``Optimizer.load_state_dict`` does, and a user who resumes with another
+    learning rate in the factory would otherwise train on with the old one without a word.
+    With an LR scheduler in the state, the settings schedulers change are left out."""
+    differ: dict[str, tuple[Any, Any]] = {}
+    for mine, theirs in zip(factory, loaded, strict=True):
+        for key, value in mine.items():
+            if key == "params" or key not in theirs or (scheduled and key in _SCHEDULED):
+                continue
+            if not _same_setting(value, theirs[key]):
+                differ.setdefault(key, (theirs[key], value))
+    if differ:
+        listed = ", ".join(
+            f"{key} {saved!r} (the factory's {mine!r})" for key, (saved, mine) in differ.items()
+        )
+        warn_user(
+            "the state's optimizer settings replace those the optimizer factory gives, as "
+            f"torch's Optimizer.load_state_dict does: it trains on with {listed}. To change "
+            "them, set them in the state before loading it: "
+            "state['optimizer']['param_groups'][i][name] = value, then "
+            "trainer.load_state_dict(state) (see training.md, Checkpoints)"
+        )
+
+
+def _same_setting(mine: Any, saved: Any) -> bool:
+    try:
+        if isinstance(mine, torch.Tensor) or isinstance(saved, torch.Tensor):
+            return bool(torch.as_tensor(mine).cpu().eq(torch.as_tensor(saved).cpu()).all())
+        return bool(mine == saved)
+    except Exception:
+        return True  # not comparable: say nothing rather than something wrong
 
 
 def _check_kind(what: str, missing: set[str]) -> None:

@@ -546,3 +546,50 @@ async def test_a_state_of_an_optimizer_grouped_by_parameter_attributes_loads(bui
     trainer.load_state_dict(donor.state_dict())
     result = await trainer.fit(batches(), epochs=2)
     assert result.global_step == 6
+
+
+async def test_a_state_whose_optimizer_settings_differ_from_the_factory_s_warns() -> None:
+    # Loading takes the state's settings (torch's load_state_dict): resuming with a lower
+    # learning rate in the factory trained on with the old one, without a word.
+    donor = make_trainer(2, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    await donor.fit(batches(), epochs=1)
+    state = donor.state_dict()
+    trainer = make_trainer(2, optimizer=functools.partial(torch.optim.SGD, lr=0.01))
+    with pytest.warns(UserWarning, match=r"trains on with lr 0\.1 \(the factory's 0\.01\)") as seen:
+        trainer.load_state_dict(state)
+    assert seen[0].filename == __file__
+    await trainer.fit(batches(), epochs=2)
+    assert [r.optimizer.param_groups[0]["lr"] for r in trainer._replicas] == [0.1, 0.1]
+    # As the warning says: the setting put into the state first is the one trained with.
+    for group in state["optimizer"]["param_groups"]:
+        group["lr"] = 0.01
+    again = make_trainer(2, optimizer=functools.partial(torch.optim.SGD, lr=0.01))
+    again.load_state_dict(state)  # no warning (filterwarnings = error)
+    await again.fit(batches(), epochs=2)
+    assert [r.optimizer.param_groups[0]["lr"] for r in again._replicas] == [0.01, 0.01]
+
+
+async def test_adam_and_adamw_states_swapped_warn_of_the_settings_they_bring() -> None:
+    # The two have the same settings (AdamW is Adam with decoupled_weight_decay): neither
+    # state is refused, and each brought its own weight decay without a word.
+    adamw = functools.partial(torch.optim.AdamW, lr=0.01)
+    for saved, factory, brought in [
+        (ADAM, adamw, r"weight_decay 0 \(the factory's 0\.01\)"),
+        (adamw, ADAM, r"weight_decay 0\.01 \(the factory's 0\).*decoupled_weight_decay True"),
+    ]:
+        donor = make_trainer(1, optimizer=saved)
+        await donor.fit(batches(), epochs=1)
+        trainer = make_trainer(1, optimizer=factory)
+        with pytest.warns(UserWarning, match=brought):
+            trainer.load_state_dict(donor.state_dict())
+
+
+async def test_a_state_with_an_lr_scheduler_loads_without_a_word_on_settings() -> None:
+    # The scheduler set the state's learning rate (OneCycleLR from its own max_lr, and it
+    # cycles the momentum): not a setting the user changed.
+    cycle = functools.partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=0.5, total_steps=20)
+    donor = make_trainer(2, lr_scheduler=cycle, lr_scheduler_interval="step")
+    await donor.fit(batches(), epochs=2)
+    trainer = make_trainer(2, lr_scheduler=cycle, lr_scheduler_interval="step")
+    trainer.load_state_dict(donor.state_dict())  # no warning (filterwarnings = error)
+    await trainer.fit(batches(), epochs=3)
