@@ -80,7 +80,10 @@ class Prefetcher:
 
     Args:
         data: Any iterable of batches.
-        depth: How many batches may wait, loaded, for the loop to take them.
+        depth: How many batches may wait, loaded, for the loop to take them. 0: none is
+            read ahead: the next batch's ``next()`` is called once the loop asks for it,
+            after it is done with the one before (for data that reuses one buffer for every
+            batch, or whose next batch depends on the step before).
         transform: Applied to each batch where it is read (the loader thread, for example
             pinning memory; or the loop, ``inline``).
         name: What the data is called in errors.
@@ -122,7 +125,11 @@ class Prefetcher:
         self._transform = transform
         self._name = name
         self._buffer: collections.deque[Any] = collections.deque()
-        self._slots = threading.Semaphore(depth)
+        # With depth 0, the one slot is given back as the loop asks for the next batch, not
+        # as it takes one (_owed).
+        self._slots = threading.Semaphore(max(depth, 1))
+        self._lazy = depth == 0
+        self._owed = False
         # Set, and read, under _lock: whether the loop closed this Prefetcher; whether the
         # thread is inside a call into the data (iter(), next() or the transform); tasks to
         # wake as it exits.
@@ -182,12 +189,18 @@ class Prefetcher:
             return self._transform(batch) if self._transform is not None else batch
         waker = self._waker
         assert waker is not None, "use 'async with Prefetcher(...)'"
+        if self._owed:  # depth 0: done with the batch before, so the thread may read on
+            self._owed = False
+            self._slots.release()
         while not self._buffer:
             if give_up is not None and give_up():
                 return GAVE_UP
             await waker.wait(None)
         item = self._buffer.popleft()
-        self._slots.release()
+        if self._lazy and item is not ENDED and not isinstance(item, _Failed):
+            self._owed = True
+        else:
+            self._slots.release()
         if item is ENDED:
             self._buffer.appendleft(ENDED)  # every later call ends too
             return ENDED

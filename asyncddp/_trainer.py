@@ -185,7 +185,10 @@ class Trainer(Resumable):
             when a device is a GPU. ``True`` with no GPU among the devices warns and does
             nothing.
         prefetch: Batches loaded ahead of training, on the loader thread (a list of batches
-            with nothing to page-lock, read in place, needs none).
+            with nothing to page-lock, read in place, needs none). 0 reads none ahead: the
+            next batch is read once the step before has ended, for a loader that fills one
+            buffer again for every batch, or data whose next batch depends on the last step
+            (with ``split_batches=True``: otherwise a step reads a batch for each device).
         threads_per_worker: Intra-op threads for each CPU worker; by default the process's
             ``torch.get_num_threads()`` shared out among the CPU workers.
         check_finite: Raise `NonFiniteLossError`, naming the device and step, when a
@@ -266,7 +269,7 @@ class Trainer(Resumable):
             f"on_failure must be 'raise', 'retry' or 'drop', not {on_failure!r}",
         )
         max_retries = check_int("max_retries", max_retries, 0)
-        prefetch = check_int("prefetch", prefetch, 1)
+        prefetch = check_int("prefetch", prefetch, 0)
         step_timeout = check_seconds("step_timeout", step_timeout)
         threads_per_worker = check_int(
             "threads_per_worker", threads_per_worker, 1, MAX_THREADS, none=True
