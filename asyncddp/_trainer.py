@@ -862,10 +862,29 @@ class Trainer(Resumable):
         # the trained one on a GPU as on the CPU. The other devices train copies of it, each
         # made on its own worker before the module moves (the first job), never from a module
         # half moved.
+        lazy = [name for name, p in source.named_parameters() if nn.parameter.is_lazy(p)]
+        if lazy:
+            raise ConfigurationError(
+                f"trainer.model has parameters not made yet ({', '.join(lazy[:3])}"
+                f"{', ...' if len(lazy) > 3 else ''}: a lazy module, LazyLinear say): run one "
+                "forward on a batch first (model(inputs)), so that they have their shapes, as "
+                "DistributedDataParallel requires too"
+            )
+
         def copy_source(ctx: Any, _: None) -> nn.Module | None:
             if ctx.device.index == 0:
                 return None
-            model = copy.deepcopy(source)
+            try:
+                model = copy.deepcopy(source)
+            except Exception as error:
+                raise ConfigurationError(
+                    f"trainer.model cannot be copied for the devices past the first, which "
+                    f"train copies of it: copy.deepcopy raised {_describe(error)}. Usual "
+                    "causes: a tensor kept on a module that autograd made (an output saved in "
+                    "forward or __init__: keep it .detach()ed), torch.nn.utils.weight_norm "
+                    "(use torch.nn.utils.parametrizations.weight_norm), a lock or an open file "
+                    "among its attributes"
+                ) from error
             carry_parameter_extras(model, source)  # before the optimizer factory groups them
             return model.to(ctx.device.torch_device)
 

@@ -2080,6 +2080,39 @@ def test_bad_configuration_fails_at_construction() -> None:
         Trainer(model, SGD, loss_step, lr_scheduler_interval="batch")  # type: ignore[arg-type]
 
 
+class KeepsAnOutput(nn.Module):
+    """Keeps a tensor autograd made (an output of its own layer) as an attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(FEATURES, 3)
+        self.last = self.layer(torch.ones(1, FEATURES))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.layer(inputs)
+
+
+async def test_a_model_that_cannot_be_copied_is_a_configuration_error_saying_why() -> None:
+    # It was the second device's WorkerFailedError in "phase setup", as if the device failed.
+    trainer = Trainer(KeepsAnOutput(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    with pytest.raises(ConfigurationError, match=r"cannot be copied .* keep it \.detach\(\)ed"):
+        await trainer.fit(make_batches([4]), epochs=1)
+    trainer.model.last = trainer.model.last.detach()
+    result = await trainer.fit(make_batches([4]), epochs=1)
+    assert result.global_step == 1
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_a_lazy_module_not_run_yet_is_a_configuration_error(devices: int) -> None:
+    model = nn.Sequential(nn.LazyLinear(3))
+    trainer = Trainer(model, SGD, loss_step, devices=cpu_devices(devices), progress_bar=False)
+    with pytest.raises(ConfigurationError, match=r"0\.weight, 0\.bias: a lazy module.*forward"):
+        await trainer.fit(make_batches([4]), epochs=1)
+    model(make_batches([1])[0][0])  # as the error says
+    result = await trainer.fit(make_batches([4]), epochs=1)
+    assert result.global_step == 1
+
+
 class RefilledBuffer:
     """A loader that fills the same tensors for every batch (as ring-buffer and pinned-staging
     loaders do): a batch is good until the next ``next()``."""
