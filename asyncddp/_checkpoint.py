@@ -53,7 +53,12 @@ def checkpoint_name(epoch: int, step: int) -> str:
 
 def save(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """Write ``state`` to ``path`` atomically (temporary file, fsync, rename)."""
-    target = Path(path)
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise CheckpointError(
+            f"{str(target)!r} is a folder, and a checkpoint is a file: give the path of a file "
+            "to write (none, to write one named for the position into checkpoint_dir)"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
@@ -86,7 +91,12 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     Raises:
         CheckpointError: the file is missing, truncated, corrupt, or not an asyncddp checkpoint.
     """
-    source = Path(path)
+    source = Path(path).expanduser()
+    if source.is_dir():
+        raise CheckpointError(
+            f"{str(source)!r} is a folder, not a checkpoint: give a checkpoint file in it, or "
+            "resume='latest' for the newest one in the Trainer's checkpoint_dir"
+        )
     if not source.is_file():
         raise CheckpointError(f"no checkpoint at {str(source)!r}")
     try:

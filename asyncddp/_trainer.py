@@ -307,7 +307,9 @@ class Trainer(Resumable):
         self.on_failure = on_failure
         self.max_retries = max_retries
         self.atomic_steps = atomic_steps
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_dir = (
+            Path(checkpoint_dir).expanduser() if checkpoint_dir is not None else None
+        )
         self.progress_bar = progress_bar
         on_gpus = any(d.is_cuda for d in self.devices)
         if pin_memory and not on_gpus:

@@ -1684,6 +1684,32 @@ async def test_a_checkpoint_dir_that_cannot_be_written_fails_before_any_step(
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["epoch0001-step000002.ckpt"]
 
 
+async def test_checkpoint_paths_a_user_would_type_do_what_they_mean(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # where a "~" taken literally would go
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(1),
+        progress_bar=False,
+        checkpoint_dir="~/runs",  # a folder named "~" in the working directory, before
+    )
+    await trainer.fit(make_batches([4]), epochs=1)
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["epoch0001-step000001.ckpt"]
+    path = await trainer.save_checkpoint("~/now.ckpt")
+    assert path == tmp_path / "now.ckpt"
+    # A folder where a file is meant: a bare IsADirectoryError, and "no checkpoint at".
+    with pytest.raises(asyncddp.CheckpointError, match=r"is a folder, and a checkpoint is a file"):
+        await trainer.save_checkpoint(tmp_path / "runs")
+    with pytest.raises(asyncddp.CheckpointError, match=r"is a folder, not a checkpoint.*'latest'"):
+        await trainer.fit(make_batches([4]), epochs=2, resume="~/runs")
+    result = await trainer.fit(make_batches([4]), epochs=2, resume="~/now.ckpt")
+    assert result.global_step == 2
+
+
 class NumpyExtraState(nn.Linear):
     """A module that keeps a NumPy array as extra state (an input normaliser's mean, say)."""
 
