@@ -412,8 +412,7 @@ class Jobs:
             # Buffers (BatchNorm statistics) follow the first replica, as DDP's
             # broadcast_buffers: the first replica's buffers are not written in this step.
             with torch.no_grad():
-                for mine, first in zip(replica.buffers, self.replicas[0].buffers, strict=True):
-                    mine.copy_(first, non_blocking=True)
+                replica.take_buffers(self.replicas[0])
         return lr
 
     def train_and_step(
@@ -573,8 +572,7 @@ class Jobs:
             # Only if this replica's job opened the step: a job dropped before it started
             # left the buffers as the last step did, and the copy is from before that step.
             with torch.no_grad():
-                for buffer, saved in zip(replica.buffers, replica.buffer_backup, strict=True):
-                    buffer.copy_(saved)
+                replica.restore_buffers()
         replica.used = [False] * len(replica.params)
 
     def regroup(self, ctx: WorkerContext, work: tuple[int, bool]) -> None:

@@ -65,7 +65,7 @@ class Replica:
         # since cannot be carried over to the other replicas or their optimizers (check_rebuilt).
         self.built_params = tuple(model.parameters())
         self.built_modules = sum(1 for _ in model.modules())
-        self.built_buffers = _buffer_kinds(model)
+        self.buffer_slots = BufferSlots(model)
         self.built_layouts = [_layout(p) for p in self.built_params]
         self.grads = FlatGrads(self.params, 1, 0, loose=True)  # until regroup() says
         self.backup = StepBackup()
@@ -73,9 +73,10 @@ class Replica:
         self.stepped_at: int | None = None
         #: The learning rate of the last optimizer step, before its LR scheduler stepped.
         self.stepped_lr: float | None = None
-        # Buffers (BatchNorm statistics) as the open window found them, to undo its forwards,
-        # and that window's number (see TrainWork.opens_window).
-        self.buffer_backup: list[torch.Tensor] | None = None
+        # Buffers (BatchNorm statistics) as the open window found them, slot by slot, to undo
+        # its forwards, and that window's number (see TrainWork.opens_window).
+        self.buffer_backup: list[torch.Tensor | None] | None = None
+        self._backed_up: list[torch.Tensor | None] = []  # the tensors the backup copied
         self.buffers_saved_for: int | None = None
         # Which parameters got a gradient in the open window: one that no device used is left
         # out of the optimizer step, as in a plain loop (where its .grad stays None). The hooks
@@ -89,11 +90,43 @@ class Replica:
 
     @property
     def buffers(self) -> list[torch.Tensor]:
-        """The model's buffers as they are now: read again each time (as DDP reads them before
-        each broadcast), since a module may assign a new tensor to one in its forward
-        (``self.mean = 0.9 * self.mean + 0.1 * x.mean(0)``), and a list kept from before
-        would sync and restore a tensor the module no longer holds."""
-        return list(self.model.buffers()) if self.built_buffers else []
+        """The model's buffers as they are now, as ``model.buffers()`` lists them: read again
+        each time (as DDP reads them before each broadcast), since a module may assign a new
+        tensor to one in its forward (``self.mean = 0.9 * self.mean + 0.1 * x.mean(0)``),
+        and a list kept from before would sync and restore a tensor the module no longer
+        holds."""
+        return self.buffer_slots.tensors()
+
+    def take_buffers(self, first: Replica) -> None:
+        """``first``'s buffers into this replica's, slot by slot: copied in place where they
+        have the same shape and dtype, else a copy of ``first``'s put in the slot (a cache the
+        forward made or grew); ``None`` where ``first`` holds none."""
+        mine, theirs = self.buffer_slots, first.buffer_slots.read()
+        for index, (buffer, source) in enumerate(zip(mine.read(), theirs, strict=True)):
+            if source is None:
+                if buffer is not None:
+                    mine.write(index, None)
+            elif (
+                buffer is not None and buffer.shape == source.shape and buffer.dtype == source.dtype
+            ):
+                buffer.copy_(source, non_blocking=True)
+            else:
+                mine.write(index, source.detach().to(self.device.torch_device, copy=True))
+
+    def restore_buffers(self) -> None:
+        """Put the buffers back as `open_window` kept them (the slot's own tensor where it is
+        the same shape and dtype, else the kept copy in the slot)."""
+        backup = self.buffer_backup
+        assert backup is not None
+        slots = self.buffer_slots
+        for index, (buffer, saved) in enumerate(zip(slots.read(), backup, strict=True)):
+            if saved is None:
+                if buffer is not None:
+                    slots.write(index, None)
+            elif buffer is not None and _layout(buffer) == _layout(saved):
+                buffer.copy_(saved)
+            else:
+                slots.write(index, saved.clone())
 
     @property
     def used(self) -> list[bool]:
@@ -115,18 +148,23 @@ class Replica:
         self.grads.attach()
         self.grads.zero_()
         self.used = [False] * len(self.params)
-        buffers = self.buffers
-        if not buffers:
+        if not self.buffer_slots:
             return
         self.buffers_saved_for = window
+        buffers = self.buffer_slots.read()
+        backup = self.buffer_backup
+        if backup is None:
+            backup = self.buffer_backup = [None] * len(buffers)
+            self._backed_up = [None] * len(buffers)
         with torch.no_grad():
-            backup = self.buffer_backup
-            if backup is None or list(map(_layout, backup)) != list(map(_layout, buffers)):
-                # The first window, or a buffer the model assigned anew in another shape.
-                self.buffer_backup = [b.detach().clone() for b in buffers]
-            else:
-                for saved, buffer in zip(backup, buffers, strict=True):
-                    saved.copy_(buffer)
+            for index, buffer in enumerate(buffers):
+                if buffer is not None and buffer is self._backed_up[index]:
+                    saved = backup[index]
+                    assert saved is not None
+                    saved.copy_(buffer)  # the same tensor as last time: its copy is at hand
+                else:  # the first window, or a buffer the model assigned anew (or None)
+                    backup[index] = None if buffer is None else buffer.detach().clone()
+                    self._backed_up[index] = buffer
 
     def used_mask(self) -> int:
         """The parameters that got a gradient since `open_window`, as a bit mask."""
@@ -147,6 +185,44 @@ class _UsedFlags:
 
     def mark(self, index: int, param: torch.Tensor) -> None:
         self.flags[index] = True
+
+
+class BufferSlots:
+    """Where a model keeps its buffers: every module's named buffer entries (``None`` ones
+    too), fixed when the replica is built (`check_rebuilt` refuses a buffer registered or
+    deleted since). What they hold is read at each use: a module may put a new tensor in
+    one, of another shape even (a cache grown for a longer sequence)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._slots = [(module, name) for module in model.modules() for name in module._buffers]
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def names(self) -> list[str]:
+        return [name for _, name in self._slots]
+
+    def read(self) -> list[torch.Tensor | None]:
+        return [module._buffers.get(name) for module, name in self._slots]
+
+    def write(self, index: int, tensor: torch.Tensor | None) -> None:
+        module, name = self._slots[index]
+        module._buffers[name] = tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The buffers held, each once, in the order of ``model.buffers()``."""
+        seen: set[int] = set()
+        held = []
+        for buffer in self.read():
+            if buffer is not None and id(buffer) not in seen:
+                seen.add(id(buffer))
+                held.append(buffer)
+        return held
+
+
+def buffer_names(model: nn.Module) -> list[str]:
+    """The names of every module's buffer entries (``None`` ones too), in `BufferSlots` order."""
+    return [name for module in model.modules() for name in module._buffers]
 
 
 def check_rebuilt(first: Replica) -> None:
@@ -184,8 +260,8 @@ def check_rebuilt(first: Replica) -> None:
             )
     if sum(1 for _ in first.model.modules()) != first.built_modules:
         _refuse("a module was added or removed")
-    if _buffer_kinds(first.model) != first.built_buffers:
-        _refuse("a buffer was registered, removed, reshaped or cast")
+    if buffer_names(first.model) != first.buffer_slots.names():
+        _refuse("a buffer was registered or deleted")
     thawed = [names[id(p)] for p in now if p.requires_grad and id(p) not in trained]
     if thawed:
         warnings.warn(
@@ -196,10 +272,6 @@ def check_rebuilt(first: Replica) -> None:
             UserWarning,
             stacklevel=2,
         )
-
-
-def _buffer_kinds(model: nn.Module) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    return [(tuple(b.shape), b.dtype) for b in model.buffers()]
 
 
 def _layout(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device]:
@@ -233,10 +305,7 @@ def mirror(replica: Replica, first: Replica) -> None:
         for param, first_param in pairs:
             param.copy_(first_param)
             param.requires_grad_(first_param.requires_grad)
-        for buffer, first_buffer in zip(
-            replica.model.buffers(), first.model.buffers(), strict=True
-        ):
-            buffer.copy_(first_buffer)
+        replica.take_buffers(first)
     carry_parameter_extras(replica.model, first.model)
     for module, source in zip(replica.model.modules(), first.model.modules(), strict=True):
         module.training = source.training

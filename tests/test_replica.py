@@ -476,3 +476,65 @@ async def test_a_step_retried_puts_back_a_buffer_assigned_anew_in_its_forward(
         assert failed
         results.append(trainer.model.state_dict())
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
+class LazyCache(nn.Module):
+    """Builds a buffer registered as None in its first forward, and grows it for longer
+    inputs (as rotary-embedding tables are built and grown), then a layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", None, persistent=False)
+        self.layer = nn.Linear(1, 3)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        width = inputs.shape[1]
+        if self.table is None or len(self.table) < width:
+            self.table = torch.linspace(0.5, 1.5, width)
+        return self.layer((inputs * self.table[:width]).sum(dim=1, keepdim=True))
+
+
+def wide_batches(width: int, sizes: list[int]) -> list[Batch]:
+    generator = torch.Generator().manual_seed(width)
+    return [
+        (torch.randn(n, width, generator=generator), torch.randint(0, 3, (n,), generator=generator))
+        for n in sizes
+    ]
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_a_buffer_made_or_grown_in_the_forward_trains_and_undoes(devices: int) -> None:
+    # Buffers read from their slots: a failed step's undo found one more buffer than it had
+    # kept (zip() argument 2 is shorter) once the forward had made the table; a table grown
+    # for longer inputs was refused at the next fit ("a buffer was ... reshaped").
+    failed: list[bool] = []
+
+    def flaky(model: nn.Module, batch: Batch) -> torch.Tensor:
+        loss = loss_step(model, batch)
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("flaky device")
+        return loss
+
+    torch.manual_seed(0)
+    trainer = Trainer(
+        LazyCache(),
+        SGD,
+        flaky,
+        devices=cpu_devices(devices),
+        progress_bar=False,
+        on_failure="retry",
+    )
+    await trainer.fit(wide_batches(4, [6, 6]), epochs=1)
+    assert failed
+    await trainer.fit(wide_batches(6, [6, 6]), epochs=2)  # grows the table
+    await trainer.fit(wide_batches(6, [6, 6]), epochs=3)
+    await trainer.validate(wide_batches(6, [6]))
+    for replica in trainer._replicas:
+        assert torch.equal(replica.model.table, torch.linspace(0.5, 1.5, 6))
+    torch.manual_seed(0)
+    expected = LazyCache()
+    optimizer = SGD(expected.parameters())
+    for batches in (wide_batches(4, [6, 6]), wide_batches(6, [6, 6]), wide_batches(6, [6, 6])):
+        plain_epoch(expected, optimizer, batches)
+    assert_matches(trainer, expected)
