@@ -306,28 +306,34 @@ def mirror(replica: Replica, first: Replica) -> None:
             param.copy_(first_param)
             param.requires_grad_(first_param.requires_grad)
         replica.take_buffers(first)
-    carry_parameter_extras(replica.model, first.model)
+    carry_parameter_extras(replica.model, first.model, replica.device.torch_device)
     for module, source in zip(replica.model.modules(), first.model.modules(), strict=True):
         module.training = source.training
         if type(source).get_extra_state is not nn.Module.get_extra_state:
             module.set_extra_state(copy.deepcopy(source.get_extra_state()))
 
 
-def carry_parameter_extras(model: nn.Module, source: nn.Module) -> None:
-    """Give each parameter of ``model`` (a copy of ``source``) what ``copy.deepcopy`` leaves
-    behind (``Parameter.__deepcopy__`` copies the values and ``requires_grad`` alone): the
-    attributes set on its counterpart (``p._no_weight_decay = True``, which an optimizer
-    factory may group by) and its gradient hooks (``register_hook``: a mask on an
-    embedding's rows, say). The hooks are the counterpart's own dict, shared: a hook
-    registered on ``trainer.model`` later, or removed through its handle, holds for every
-    replica at once."""
+def carry_parameter_extras(model: nn.Module, source: nn.Module, device: torch.device) -> None:
+    """Give each parameter of ``model`` (a copy of ``source``, for ``device``) what
+    ``copy.deepcopy`` leaves behind: its gradient hooks (``register_hook``: a mask on an
+    embedding's rows, say), and, where the parameter's type copies with
+    ``Parameter.__deepcopy__`` (which copies the values and ``requires_grad`` alone), the
+    attributes set on its counterpart (``p._no_weight_decay = True``, which an optimizer factory
+    may group by; a tensor among them is copied to ``device``). A subclass that copies itself
+    (a quantized weight's state) is left as its own copy made it. The hooks are the
+    counterpart's own dict, shared: one removed through its handle is gone on every replica;
+    one added to a parameter that had none reaches the others as the next call starts."""
     pairs = zip(model.parameters(), source.parameters(), strict=True)
     for param, theirs in pairs:
         if param is theirs:
             continue
-        attributes = vars(param)
-        attributes.clear()
-        attributes.update(vars(theirs))
+        if type(theirs).__deepcopy__ is nn.Parameter.__deepcopy__:
+            attributes = vars(param)
+            attributes.clear()
+            for name, value in vars(theirs).items():
+                if isinstance(value, torch.Tensor):
+                    value = value.detach().to(device, copy=True)
+                attributes[name] = value
         param._backward_hooks = theirs._backward_hooks
 
 

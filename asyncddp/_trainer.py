@@ -887,7 +887,8 @@ class Trainer(Resumable):
                     "(use torch.nn.utils.parametrizations.weight_norm), a lock or an open file "
                     "among its attributes"
                 ) from error
-            carry_parameter_extras(model, source)  # before the optimizer factory groups them
+            # Before the optimizer factory groups them.
+            carry_parameter_extras(model, source, ctx.device.torch_device)
             return model.to(ctx.device.torch_device)
 
         def build(ctx: Any, model: nn.Module | None) -> Replica:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -538,3 +539,31 @@ async def test_a_buffer_made_or_grown_in_the_forward_trains_and_undoes(devices: 
     for batches in (wide_batches(4, [6, 6]), wide_batches(6, [6, 6]), wide_batches(6, [6, 6])):
         plain_epoch(expected, optimizer, batches)
     assert_matches(trainer, expected)
+
+
+class ScaledParameter(nn.Parameter):
+    """A parameter type that copies state of its own (as quantized weights keep theirs)."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ScaledParameter:
+        copied = ScaledParameter(self.data.clone(), self.requires_grad)
+        copied.scale = self.scale.clone()  # type: ignore[attr-defined]
+        memo[id(self)] = copied
+        return copied
+
+
+async def test_a_parameter_s_own_copy_is_kept_and_tensor_attributes_are_not_shared() -> None:
+    # Carrying the attributes replaced what a subclass's own __deepcopy__ made with the first
+    # replica's objects, and shared tensor attributes (on a GPU, the first device's).
+    model = make_model()
+    weight = ScaledParameter(model[0].weight.detach().clone())
+    weight.scale = torch.ones(1)  # type: ignore[attr-defined]
+    model[0].weight = weight
+    model[3].weight.mask = torch.ones(3, 16)  # type: ignore[attr-defined]
+    trainer = trainer_on(2, model)
+    await trainer.fit(make_batches([4]), epochs=1)
+    await trainer.fit(make_batches([4]), epochs=2)  # carried again as the call starts
+    first, second = (replica.model for replica in trainer._replicas)
+    assert isinstance(second[0].weight, ScaledParameter)
+    assert second[0].weight.scale is not first[0].weight.scale
+    assert torch.equal(second[3].weight.mask, first[3].weight.mask)
+    assert second[3].weight.mask is not first[3].weight.mask
