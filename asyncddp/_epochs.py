@@ -530,7 +530,13 @@ class Epochs(DistributedSteps):
         except WorkerFailedError as error:
             # No policy applies to validation (it changes no state): a failure raises.
             if isinstance(error.__cause__, StepOutputError):
-                raise error.__cause__ from None  # a mistake in the step, not a device fault
+                # A mistake in the step, not a device fault; without the cause's link back
+                # to ``error`` (its __context__), no cycle holds the step's output.
+                output_error, error.__cause__ = error.__cause__, None
+                try:
+                    raise output_error from None
+                finally:
+                    del output_error
             if not isinstance(error.__cause__, (PeerFailed, RankLost)):
                 self._publish_failure(error, "raise")
             raise

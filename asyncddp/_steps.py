@@ -263,7 +263,14 @@ class Steps:
                 raise error  # another rank's failure: the trainer names it
             if isinstance(error.__cause__, StepOutputError):
                 await self._abandon_quietly()
-                raise error.__cause__ from None  # a mistake in the step, not a device fault
+                # A mistake in the step, not a device fault. Raised here, it takes ``error`` (the
+                # exception being handled) as its __context__: without the cause's link back,
+                # no cycle holds the step's output (and its graph) until the collector runs.
+                output_error, error.__cause__ = error.__cause__, None
+                try:
+                    raise output_error from None
+                finally:
+                    del output_error
             if isinstance(error.__cause__, NonFiniteLoss):
                 await self._abandon_quietly()
                 nonfinite = NonFiniteLossError(

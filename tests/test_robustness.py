@@ -140,7 +140,15 @@ def collector_off() -> Iterator[None]:
 @pytest.mark.anyio
 @pytest.mark.parametrize("devices", [1, 2])
 @pytest.mark.parametrize(
-    "failure", ["device", "bad output", "non-finite", "validate", "retried then raised"]
+    "failure",
+    [
+        "device",
+        "bad output",
+        "non-finite",
+        "validate",
+        "bad output in validate",
+        "retried then raised",
+    ],
 )
 async def test_a_failed_step_s_tensors_go_once_its_error_is_let_go(
     devices: int, failure: str
@@ -152,10 +160,10 @@ async def test_a_failed_step_s_tensors_go_once_its_error_is_let_go(
     made: list[weakref.ref[torch.Tensor]] = []
 
     def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> Any:
-        big = torch.ones(100_000)
+        big = torch.ones(100_000, requires_grad=True)  # held by the loss's graph too
         made.append(weakref.ref(big))
-        loss = mse(model, batch) + 0 * big.sum()
-        if failure == "bad output":
+        loss = mse(model, batch) + 0 * (big * big).sum()
+        if failure.startswith("bad output"):
             return {"loss": loss, "items": -1}
         if failure == "non-finite":
             return loss * float("nan")
@@ -169,7 +177,7 @@ async def test_a_failed_step_s_tensors_go_once_its_error_is_let_go(
     )
     with collector_off():
         try:
-            if failure == "validate":
+            if failure.endswith("validate"):
                 await trainer.validate(make_batches(0))
             else:
                 await trainer.fit(make_batches(0))
