@@ -48,6 +48,7 @@ class Resumable(Epochs):
     _window: int
     _last_iterator: Callable[[], Any] | None
     _scaler: LossScaler | None
+    _warned_unloadable = False  # a checkpoint resuming cannot load was warned of
 
     def _position(self, loaded: int | None = None) -> dict[str, Any]:
         """Where training is; ``loaded``: the batches the running epoch's loader has loaded,
@@ -149,7 +150,8 @@ class Resumable(Epochs):
         """Write ``state`` to ``path`` (atomically, on a thread), then say so: a log record and
         `CheckpointSaved`, with the epoch and step the state holds."""
         written, refused = await anyio.to_thread.run_sync(_save_and_scan, state, path)
-        if refused:
+        if refused and not self._warned_unloadable:
+            self._warned_unloadable = True  # each epoch's would say it again
             warn_user(
                 f"checkpoint {str(written)!r} holds {', '.join(refused)}, which "
                 "torch.load(weights_only=True) does not load, so resuming from it fails (it "
