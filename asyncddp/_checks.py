@@ -4,6 +4,8 @@ back as a plain Python value (a NumPy int as an ``int``, say)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import numbers
 import operator
@@ -79,13 +81,33 @@ def check_path(name: str, value: Any) -> None:
 
 
 def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn`` at the first frame outside asyncddp: the user's line that called
-    into it (``await trainer.fit(...)``; a coroutine's caller is its frame's ``f_back`` while
-    it runs), however deep in the library the warning is raised."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame = sys._getframe(1)  # the caller of warn_user
-    level = 2  # stacklevel=2: the caller of warn_user
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+    """``warnings.warn`` at the user's line that called into asyncddp (``await trainer.fit(...)``;
+    a coroutine's caller is its frame's ``f_back`` while it runs), however deep in the library
+    the warning is raised: the first frame outside asyncddp and the machinery between
+    (``contextlib``, the event loop's libraries); the first outside asyncddp where there is no
+    such frame (a fit started as a task of its own)."""
+    machinery = _machinery()
+    frame = sys._getframe(1)  # the caller of warn_user: stacklevel=2
+    level, fallback = 2, None
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(_PACKAGE):
+            if not path.startswith(machinery):
+                break
+            fallback = level if fallback is None else fallback
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
-    warnings.warn(message, category, stacklevel=level)
+    warnings.warn(message, category, stacklevel=level if frame is not None else fallback or 2)
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _machinery() -> tuple[str, ...]:
+    """The files and folders of the machinery between the user's code and asyncddp's."""
+    folders = [
+        os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+        for module in (asyncio, sys.modules.get("anyio"), sys.modules.get("trio"))
+        if module is not None and module.__file__ is not None
+    ]
+    return (os.path.abspath(contextlib.__file__), *folders)

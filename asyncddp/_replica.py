@@ -11,7 +11,6 @@ import inspect
 import itertools
 import numbers
 import operator
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn, cast
 
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ._checks import warn_user
 from ._devices import Device
 from ._exceptions import ConfigurationError, StepOutputError
 from ._sync import FlatGrads, StepBackup
@@ -264,13 +264,11 @@ def check_rebuilt(first: Replica) -> None:
         _refuse("a buffer was registered or deleted")
     thawed = [names[id(p)] for p in now if p.requires_grad and id(p) not in trained]
     if thawed:
-        warnings.warn(
+        warn_user(
             f"{', '.join(thawed[:3])}{', ...' if len(thawed) > 3 else ''} of trainer.model "
             "requires grad now but did not when its replicas were built, so no optimizer "
             "holds it and it is not trained; unfreeze it before the first fit, or build a "
-            "new Trainer",
-            UserWarning,
-            stacklevel=2,
+            "new Trainer"
         )
 
 

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._checks import warn_user
 from ._comm import PeerFailed, RankLost
 from ._data import items_in, split_batch
 from ._devices import Device, resolve_devices
@@ -302,7 +303,7 @@ class Steps:
                     await self._abandon_quietly()
                 raise error
             if action == "drop":
-                await self._drop_devices(failed)
+                await self._drop_devices(failed, error)
             if await self._abandon() or not self._consistent:
                 self._consistent = False
                 raise error
@@ -589,14 +590,17 @@ class Steps:
 
     # -- dropping devices ---------------------------------------------------------------------
 
-    async def _drop_devices(self, failed: set[str]) -> None:
+    async def _drop_devices(self, failed: set[str], error: WorkerFailedError) -> None:
         keep = [i for i, device in enumerate(self.devices) if device.name not in failed]
         remaining = tuple(self.devices[i] for i in keep)
+        where = f"epoch {error.epoch}, step {error.step}" if error.epoch is not None else ""
+        why = f"{error.error_type or type(error).__name__}: {error.error_message}"
         message = (
-            f"dropping failed device(s) {', '.join(sorted(failed))}; training goes on with "
+            f"dropping failed device(s) {', '.join(sorted(failed))} after {why}"
+            f"{f' ({where})' if where else ''}; training goes on with "
             f"{', '.join(d.name for d in remaining)}"
         )
-        warnings.warn(message, DeviceDroppedWarning, stacklevel=5)
+        warn_user(message, DeviceDroppedWarning)
         old = self._require_scheduler()
         self._replicas = [self._replicas[i] for i in keep]
         self.devices = resolve_devices(remaining)

@@ -209,8 +209,11 @@ async def test_a_parameter_thawed_after_the_first_fit_warns_that_it_is_not_train
     trainer = trainer_on(2, model)
     await trainer.fit(batches, epochs=1)
     trainer.model[0].requires_grad_(True)
-    with pytest.warns(UserWarning, match=r"0\.weight, 0\.bias of trainer.model requires grad"):
+    with pytest.warns(
+        UserWarning, match=r"0\.weight, 0\.bias of trainer.model requires grad"
+    ) as seen:
         await trainer.fit(batches, epochs=2)
+    assert seen[0].filename == __file__  # this line, not one of asyncddp's
 
 
 async def test_buffers_reset_between_calls_are_reset_on_every_device() -> None:

@@ -1200,8 +1200,12 @@ async def test_drop_policy_goes_on_without_the_failed_device() -> None:
     await trainer.validate(batches[:1])
     name_replicas(trainer)
     stream = trainer.events()
-    with pytest.warns(asyncddp.DeviceDroppedWarning, match="cpu#1"):
+    with pytest.warns(
+        asyncddp.DeviceDroppedWarning,
+        match=r"dropping failed device\(s\) cpu#1 after RuntimeError: device lost \(epoch 0, step",
+    ) as seen:
         result = await trainer.fit(batches, epochs=1)
+    assert seen[0].filename == __file__  # the fit's line, not one of asyncddp's
     assert result.global_step == 4
     assert [d.name for d in trainer.devices] == ["cpu#0", "cpu#2"]
     assert_replicas_identical(trainer)
