@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import re
 import threading
-import warnings
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
@@ -34,6 +33,7 @@ import torch
 from torch import nn
 
 from . import _checkpoint, _comm, distributed
+from ._checks import warn_user
 from ._comm import Comm, Global
 from ._exceptions import ConfigurationError, WorkerFailedError
 from ._jobs import ExchangeWork, Sums, TrainWork, exchange_gradients
@@ -132,12 +132,11 @@ class DistributedSteps(Steps):
             world = os.environ.get("WORLD_SIZE", "1")
             if world.isdigit() and int(world) > 1 and not self._warned_alone:
                 self._warned_alone = True
-                warnings.warn(
+                warn_user(
                     f"WORLD_SIZE={world} is set (launched by torchrun?), but this process joined "
                     "no process group: each process trains alone, on all of its data. Call "
                     "asyncddp.distributed.init() before fit() to train across the processes",
                     RuntimeWarning,
-                    stacklevel=3,  # the caller of fit or validate
                 )
             return
         model = self._source_model()

@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import _checkpoint, _comm
+from ._checks import warn_user
 from ._comm import PeerFailed, RankLost
 from ._data import check_batch, no_batches, pin
 from ._dsteps import DistributedSteps
@@ -321,12 +322,11 @@ class Epochs(DistributedSteps):
         self._epoch_trained = True
         record = self._epoch_record(epoch)
         if not math.isfinite(record.train_loss) and not self.check_finite:
-            warnings.warn(
+            warn_user(
                 f"epoch {epoch}'s training loss is {record.train_loss}: the parameters are "
                 "likely non-finite too. Trainer(check_finite=True) stops at the first "
                 "non-finite loss and names its device and step",
                 RuntimeWarning,
-                stacklevel=3,  # the caller of fit
             )
         _log.info(
             "epoch %d: train_loss=%.6g over %d items in %.2fs",

@@ -18,7 +18,6 @@ epoch, as Lightning does, so that a sampler that shuffles by epoch draws a new o
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any, cast
 
@@ -26,6 +25,7 @@ import anyio
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
 
+from ._checks import warn_user
 from ._data import is_batch_list, items_in, items_total
 from ._exceptions import DataError
 
@@ -84,13 +84,11 @@ def _warn_if_padded(sampler: DistributedSampler[Any]) -> None:
         return
     repeated = sampler.total_size - size
     if repeated > 0:
-        warnings.warn(
+        warn_user(
             f"this DataLoader's DistributedSampler repeats {repeated} of its {size} samples to "
             f"give its {sampler.num_replicas} ranks equal counts, so they count twice (in "
             "validation metrics too). asyncddp splits a DataLoader across the ranks exactly by "
             "itself: pass it without a DistributedSampler (or with drop_last=True)",
-            UserWarning,
-            stacklevel=2,
         )
 
 

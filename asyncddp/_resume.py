@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -216,14 +215,12 @@ class Resumable(Epochs):
         epochs, steps = _checkpoint.position_of(newest)
         if (epochs, steps) <= (self.epoch, self.global_step):
             return
-        warnings.warn(
+        warn_user(
             f"checkpoint_dir {str(self.checkpoint_dir)!r} holds a checkpoint further on than "
             f"this trainer ({newest.name}: {epochs} epochs and {steps} steps done), from "
             "another run, most likely: this fit writes its checkpoints beside it, replacing "
             "those of the same name, and resume='latest' would later pick that one. Pass "
             "resume='latest' to go on from it, or give this run a checkpoint_dir of its own",
-            UserWarning,
-            stacklevel=3,
         )
 
 
