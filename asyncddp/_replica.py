@@ -471,7 +471,9 @@ def _made_by(
     except DEVICE_FAULTS:
         raise  # out of memory, a CUDA error: the device's failure, not the arguments'
     except Exception as error:
-        hint = swapped if isinstance(error, TypeError) else ""
+        # "missing 1 required positional argument: 'batch'": a step given as the factory.
+        looks_swapped = isinstance(error, TypeError) and "positional argument" in str(error)
+        hint = swapped if looks_swapped else ""
         raise ConfigurationError(
             f"{name} raised {type(error).__name__}: {error}. {usage}{hint}"
         ) from error

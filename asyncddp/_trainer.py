@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import logging
 import os
@@ -231,6 +232,11 @@ class Trainer(Resumable):
         threads_per_worker: int | None = None,
         check_finite: bool = False,
     ) -> None:
+        if isinstance(model, type) and issubclass(model, nn.Module):
+            raise ConfigurationError(
+                f"model must be a torch.nn.Module, got the class {model.__name__}: pass an "
+                f"instance, {model.__name__}(...)"
+            )
         if not isinstance(model, nn.Module):
             raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not any(p.requires_grad for p in model.parameters()):
@@ -252,12 +258,30 @@ class Trainer(Resumable):
         if valid_step is not None and not callable(valid_step):
             raise ConfigurationError("valid_step must be a function valid_step(model, batch)")
         for name, function in (("step", step), ("valid_step", valid_step)):
+            if function is None:
+                continue
             if inspect.iscoroutinefunction(function):
                 raise ConfigurationError(
                     f"{name} is an async function; it runs on each device's worker thread, "
                     "outside the event loop, so it must be a plain def (what you await is "
                     "fit())"
                 )
+            if _makes_optimizers(function):
+                raise ConfigurationError(
+                    f"{name} is {_shown(function)}, an optimizer factory; the arguments go "
+                    "Trainer(model, optimizer, step), the step a function step(model, batch) "
+                    "-> loss"
+                )
+            _check_takes_model_and_batch(name, function)
+        if lr_scheduler is not None and (
+            isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler)
+            or not callable(lr_scheduler)
+        ):
+            raise ConfigurationError(
+                "lr_scheduler must be a factory that makes one LR scheduler per replica from its "
+                "optimizer, for example functools.partial(torch.optim.lr_scheduler.StepLR, "
+                f"step_size=10), not {_shown(lr_scheduler)}"
+            )
         accumulate_grad_batches = check_int("accumulate_grad_batches", accumulate_grad_batches, 1)
         gradient_clip_val = check_positive("gradient_clip_val", gradient_clip_val)
         _check(
@@ -959,6 +983,45 @@ def _rank_devices(devices: DeviceSpec) -> DeviceSpec:
     if auto and distributed.is_initialized() and _devices._cuda_device_count():
         return f"cuda:{distributed._local_gpu()}"  # the GPU init() made current
     return devices
+
+
+def _makes_optimizers(function: Any) -> bool:
+    """Whether ``function`` is an optimizer class, or a ``functools.partial`` of one."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    return isinstance(function, type) and issubclass(function, torch.optim.Optimizer)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, functools.partial):
+        return f"functools.partial({getattr(value.func, '__name__', value.func)!s}, ...)"
+    if isinstance(value, type):
+        return f"the class {value.__name__}"
+    if isinstance(value, torch.optim.lr_scheduler.LRScheduler):
+        return f"a {type(value).__name__} instance, the scheduler of one optimizer"
+    return repr(value)
+
+
+def _check_takes_model_and_batch(name: str, function: Any) -> None:
+    """Refuse a step that cannot be called as ``step(model, batch)`` (``step(batch)``, or
+    Lightning's ``training_step(batch, batch_idx)`` with a third argument), before any thread
+    starts; one whose signature cannot be read is let through."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError as error:
+        shown = getattr(function, "__qualname__", None) or repr(function)
+        parameters = ", ".join(
+            str(p).split(":")[0].split("=")[0] for p in signature.parameters.values()
+        )
+        raise ConfigurationError(
+            f"{name} {shown}({parameters}) cannot be called as {name}(model, batch) ({error}): "
+            f"the trainer calls it with the device's model and its share of the batch, as "
+            f"def {name}(model, batch): return loss"
+        ) from None
 
 
 def _check(condition: bool, message: str) -> None:

@@ -580,9 +580,17 @@ async def test_an_optimizer_factory_that_returns_no_optimizer_is_a_clear_error()
 
 @pytest.mark.anyio
 async def test_an_optimizer_factory_that_raises_is_a_mistake_in_the_arguments() -> None:
-    # A common slip: the step function and the optimizer swapped. The factory's error is kept
-    # as the cause, and the message names the argument, not a device fault.
-    trainer = Trainer(MODEL(), mse, ADAM, devices=cpu_devices(2), progress_bar=False)  # type: ignore[arg-type]
+    # A common slip: the step function and the optimizer swapped. An optimizer factory given
+    # as the step is refused as the Trainer is built (it failed at the first fit); a step
+    # given as the factory raises as the fit builds the optimizers, the factory's error kept
+    # as the cause, the message naming the argument, not a device fault.
+    with pytest.raises(
+        asyncddp.ConfigurationError,
+        match=r"step is functools.partial\(Adam, ...\), an optimizer factory; the arguments go "
+        r"Trainer\(model, optimizer, step\)",
+    ):
+        Trainer(MODEL(), mse, ADAM, devices=cpu_devices(2), progress_bar=False)  # type: ignore[arg-type]
+    trainer = Trainer(MODEL(), mse, mse, devices=cpu_devices(2), progress_bar=False)  # type: ignore[arg-type]
     with pytest.raises(asyncddp.ConfigurationError) as caught:
         await trainer.fit(make_batches(0), epochs=1)
     assert re.search(
@@ -590,6 +598,12 @@ async def test_an_optimizer_factory_that_raises_is_a_mistake_in_the_arguments() 
         str(caught.value),
     )
     assert isinstance(caught.value.__cause__, TypeError)
+    # A factory's own TypeError (a misspelt option) gets no such hint.
+    misspelt = functools.partial(torch.optim.SGD, learning_rate=0.1)
+    trainer = Trainer(MODEL(), misspelt, mse, devices=cpu_devices(2), progress_bar=False)
+    with pytest.raises(asyncddp.ConfigurationError, match="learning_rate") as caught:
+        await trainer.fit(make_batches(0), epochs=1)
+    assert "comes third" not in str(caught.value)
 
 
 @pytest.mark.anyio

@@ -843,6 +843,66 @@ async def test_an_optimizer_or_scheduler_that_cannot_train_here_is_refused_befor
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+def lightning_step(model: nn.Module, batch: Any, batch_idx: int) -> torch.Tensor:
+    return loss_step(model, batch)
+
+
+def batch_only(batch: Any) -> torch.Tensor:
+    return batch[0].sum()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        # Each was found at the first fit, under the worker's frames, or not at all.
+        (
+            {"model": nn.Linear},
+            r"got the class Linear: pass an instance, Linear\(\.\.\.\)",
+        ),
+        (
+            {"step": lightning_step},
+            r"step lightning_step\(model, batch, batch_idx\) cannot be called as "
+            r"step\(model, batch\) \(missing a required argument: 'batch_idx'\)",
+        ),
+        ({"step": batch_only}, r"step batch_only\(batch\) cannot .* \(too many positional"),
+        (
+            {"valid_step": lightning_step},
+            r"valid_step lightning_step.*cannot be called as valid_step\(model, batch\)",
+        ),
+        (
+            {"step": functools.partial(torch.optim.SGD, lr=0.1)},
+            r"step is functools.partial\(SGD, ...\), an optimizer factory",
+        ),
+        ({"step": torch.optim.Adam}, r"step is the class Adam, an optimizer factory"),
+        (
+            {"lr_scheduler": "instance"},
+            r"lr_scheduler must be a factory .*, not a StepLR instance, the scheduler of one",
+        ),
+        ({"lr_scheduler": 5}, r"lr_scheduler must be a factory .*, not 5$"),
+    ],
+    ids=[
+        "model-class",
+        "lightning-step",
+        "batch-only-step",
+        "lightning-valid-step",
+        "optimizer-as-step",
+        "optimizer-class-as-step",
+        "scheduler-instance",
+        "scheduler-int",
+    ],
+)
+def test_arguments_of_the_wrong_kind_are_refused_as_the_trainer_is_built(
+    arguments: dict[str, Any], message: str
+) -> None:
+    options: dict[str, Any] = {"model": make_model(), "optimizer": SGD, "step": loss_step}
+    options.update(arguments)
+    if options.get("lr_scheduler") == "instance":
+        optimizer = torch.optim.SGD(make_model().parameters(), lr=0.1)
+        options["lr_scheduler"] = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    with pytest.raises(ConfigurationError, match=message):
+        Trainer(**options, progress_bar=False)
+
+
 async def test_an_async_step_is_refused_with_what_to_do() -> None:
     # An async def step returned a coroutine on the worker thread: "the step returned a
     # coroutine", and Python's "coroutine ... was never awaited" warning besides.
