@@ -88,6 +88,7 @@ from ._replica import (
 from ._resume import Resumable
 from ._scheduler import JobQueuedError, StepScheduler
 from ._steps import DeviceDroppedWarning
+from ._worker import current_worker
 
 __all__ = ["DeviceDroppedWarning", "EpochRecord", "FitResult", "Trainer"]
 
@@ -525,7 +526,7 @@ class Trainer(Resumable):
             and the next call over the same data waits for it before reading that data.
         """
         await self._wait_for_checkpoint_session()
-        self._refuse_if_running()  # before the try: a running fit's event streams stay open
+        self._refuse_if_running("fit()")  # before the try: a running fit's event streams stay open
         self._stop_reason = None
         self._stop_agreed = False
         history: list[EpochRecord] = []
@@ -616,7 +617,7 @@ class Trainer(Resumable):
         as they were.
         """
         await self._wait_for_checkpoint_session()
-        self._refuse_if_running()  # before the try: across ranks, no failure to announce
+        self._refuse_if_running("validate()")  # before the try: no failure to announce
         try:
             await self._join()
             _check_data(data, "data", 1)
@@ -710,7 +711,12 @@ class Trainer(Resumable):
         """The training state: model, optimizer, LR scheduler, loss scale, position, RNG.
 
         Call it while no fit runs (use `save_checkpoint` during one).
+
+        Raises:
+            ConfigurationError: a fit, validation or checkpoint is running (its optimizer
+                step may be half done).
         """
+        self._refuse_if_running("state_dict()")
         first = self._replicas[0] if self._replicas else None
         if first is None and self._pending_state is not None:
             # Loaded before any fit built the replicas: the loaded optimizer and LR scheduler.
@@ -737,7 +743,7 @@ class Trainer(Resumable):
                 all). Nothing of it is taken: the position, weights and optimizer stay.
             ConfigurationError: a fit, validation or checkpoint is running.
         """
-        self._refuse_if_running()
+        self._refuse_if_running("load_state_dict()")
         self._adopt(state)
         if self._replicas:
             pending, self._pending_state = self._pending_state, None
@@ -751,7 +757,7 @@ class Trainer(Resumable):
     @contextlib.asynccontextmanager
     async def _session(self, kind: str) -> AsyncIterator[StepScheduler]:
         """Worker threads for one fit, validate or checkpoint call."""
-        self._refuse_if_running()
+        self._refuse_if_running("save_checkpoint()" if kind == "checkpoint" else f"{kind}()")
         self._stragglers = [thread for thread in self._stragglers if thread.is_alive()]
         if self._stragglers:
             names = ", ".join(thread.name for thread in self._stragglers)
@@ -868,11 +874,28 @@ class Trainer(Resumable):
             self._publish_failure(error, "raise")
             raise
 
-    def _refuse_if_running(self) -> None:
-        if self._session_kind is not None:
+    def _refuse_if_running(self, call: str) -> None:
+        """Refuse ``call`` (``"fit()"``, say) while a fit, validation or checkpoint runs."""
+        running = self._session_kind
+        if running is None:
+            return
+        running = "save_checkpoint()" if running == "checkpoint" else f"{running}()"
+        worker = current_worker()
+        if worker is not None:
             raise ConfigurationError(
-                f"{self._session_kind} is already running on this trainer; await it first"
+                f"{call} was called from inside a step, on {worker.device.name}'s worker "
+                f"thread, while {running} is already running on this trainer: a step only "
+                f"computes the loss of (model, batch); call {call} from your async code once "
+                f"{running} has returned"
             )
+        hint = {
+            "validate()": " (to validate as a fit goes, pass valid_data= to fit)",
+            "state_dict()": " (during a fit, save_checkpoint() writes the state between steps)",
+        }.get(call, "")
+        raise ConfigurationError(
+            f"{call} cannot start while {running} is already running on this trainer: await "
+            f"that {running} first{hint}"
+        )
 
     async def _wait_for_checkpoint_session(self) -> None:
         while self._session_kind == "checkpoint" and self._session_done is not None:

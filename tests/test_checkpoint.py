@@ -196,7 +196,9 @@ async def test_a_state_is_not_loaded_while_a_fit_runs() -> None:
     async def load_during_the_fit() -> None:
         async for event in stream:
             if isinstance(event, StepEnded):
-                with pytest.raises(ConfigurationError, match="fit is already running") as error:
+                with pytest.raises(
+                    ConfigurationError, match=r"fit\(\) is already running"
+                ) as error:
                     trainer.load_state_dict(state)
                 refused.append(error.value)
                 return

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import functools
 import math
+import re
 import threading
 import time
 import types
@@ -841,6 +843,54 @@ async def test_an_optimizer_or_scheduler_that_cannot_train_here_is_refused_befor
     with pytest.raises(asyncddp.ConfigurationError, match=expected):
         await trainer.fit(make_batches([4, 4]), epochs=1)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+async def test_a_call_while_a_fit_runs_is_refused_saying_which_and_what_to_do() -> None:
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    stream = trainer.events()
+    refused: dict[str, str] = {}
+
+    async def during_the_fit() -> None:
+        async for event in stream:
+            if isinstance(event, asyncddp.StepEnded):
+                for call, attempt in [
+                    ("validate", lambda: trainer.validate(make_batches([4]))),
+                    ("fit", lambda: trainer.fit(make_batches([4]))),
+                ]:
+                    with pytest.raises(ConfigurationError) as caught:
+                        await attempt()
+                    refused[call] = str(caught.value)
+                # It was taken in the middle of a step: the optimizer state half stepped.
+                with pytest.raises(ConfigurationError) as caught:
+                    trainer.state_dict()
+                refused["state_dict"] = str(caught.value)
+                return
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(during_the_fit)
+        await trainer.fit(make_batches([4, 4, 4]), epochs=1)
+    assert refused["validate"] == (
+        "validate() cannot start while fit() is already running on this trainer: await that "
+        "fit() first (to validate as a fit goes, pass valid_data= to fit)"
+    )
+    assert refused["fit"].startswith("fit() cannot start while fit() is already running")
+    assert "save_checkpoint() writes the state between steps" in refused["state_dict"]
+
+
+async def test_a_fit_called_from_inside_a_step_says_so() -> None:
+    # "await it first": the step cannot.
+    def step(model: nn.Module, batch: Any) -> torch.Tensor:
+        asyncio.run(trainer.fit(make_batches([4])))
+        return loss_step(model, batch)
+
+    trainer = Trainer(make_model(), SGD, step, devices=cpu_devices(2), progress_bar=False)
+    with pytest.raises(WorkerFailedError) as caught:
+        await trainer.fit(make_batches([4]))
+    assert isinstance(caught.value.__cause__, ConfigurationError)
+    assert re.match(
+        r"fit\(\) was called from inside a step, on cpu#\d's worker thread, while fit\(\) is",
+        str(caught.value.__cause__),
+    )
 
 
 def lightning_step(model: nn.Module, batch: Any, batch_idx: int) -> torch.Tensor:
