@@ -115,13 +115,40 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     except Exception as exc:
         raise _unreadable(source, exc) from exc
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"{str(source)!r} is not an asyncddp checkpoint")
+        weights = (
+            isinstance(state, dict)
+            and bool(state)
+            and all(isinstance(value, torch.Tensor) for value in state.values())
+        )
+        raise CheckpointError(
+            f"{str(source)!r} is not an asyncddp checkpoint"
+            + (
+                ": it holds a model's weights (a state_dict()), which load with "
+                "trainer.model.load_state_dict(torch.load(path)) before the fit"
+                if weights
+                else ""
+            )
+        )
     if state.get("version") != VERSION:
         raise CheckpointError(
             f"checkpoint {str(source)!r} has format version {state.get('version')!r}; this "
             f"asyncddp reads version {VERSION}"
         )
     return state
+
+
+def _not_a_state(given: object) -> CheckpointError:
+    path = isinstance(given, (str, os.PathLike))
+    return CheckpointError(
+        f"a trainer state is a dict (from Trainer.state_dict() or a checkpoint), "
+        f"not {type(given).__name__}"
+        + (
+            f" {str(given)!r}: to go on from a checkpoint file, fit(resume=path), or "
+            "load_state_dict(torch.load(path))"
+            if path
+            else ""
+        )
+    )
 
 
 def _unreadable(source: Path, exc: Exception) -> CheckpointError:
@@ -165,10 +192,7 @@ def check_fits(
     start (`check_optimizer_fits`) and the scheduler's state unchecked.
     """
     if not isinstance(state, Mapping):
-        raise CheckpointError(
-            f"a trainer state is a dict (from Trainer.state_dict() or a checkpoint), "
-            f"not {type(state).__name__}"
-        )
+        raise _not_a_state(state)
     missing = [key for key in REQUIRED if key not in state]
     if missing:
         raise CheckpointError(

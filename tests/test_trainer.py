@@ -1766,8 +1766,19 @@ async def test_a_corrupt_checkpoint_raises_a_clear_error(tmp_path: Any) -> None:
     with pytest.raises(asyncddp.CheckpointError, match="no checkpoint at"):
         await trainer.fit(make_batches([2]), resume=tmp_path / "missing.ckpt")
     torch.save({"something": 1}, tmp_path / "other.ckpt")
-    with pytest.raises(asyncddp.CheckpointError, match="not an asyncddp checkpoint"):
+    with pytest.raises(asyncddp.CheckpointError, match=r"not an asyncddp checkpoint$"):
         await trainer.fit(make_batches([2]), resume=tmp_path / "other.ckpt")
+    # A model's own weights, saved by hand, and a path given where a state goes: each says
+    # how to load what it is.
+    torch.save(trainer.model.state_dict(), tmp_path / "weights.pt")
+    with pytest.raises(
+        asyncddp.CheckpointError,
+        match=r"not an asyncddp checkpoint: it holds a model's weights .* "
+        r"trainer\.model\.load_state_dict\(torch\.load\(path\)\)",
+    ):
+        await trainer.fit(make_batches([2]), resume=tmp_path / "weights.pt")
+    with pytest.raises(asyncddp.CheckpointError, match=r"not PosixPath .*fit\(resume=path\)"):
+        trainer.load_state_dict(path)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="checkpoint_dir"):
         await trainer.fit(make_batches([2]), resume="latest")
 
