@@ -12,6 +12,7 @@ import collections
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import anyio
 import anyio.lowlevel
@@ -167,6 +168,13 @@ class EventStream:
 
     def __aiter__(self) -> EventStream:
         return self
+
+    def __iter__(self) -> NoReturn:
+        raise TypeError(
+            "an EventStream is read with 'async for event in stream:', inside an async "
+            "function, beside the fit (a task of its own, or the fit's): events come as the "
+            "fit runs, and a plain for would block the event loop the fit needs"
+        )
 
     async def __anext__(self) -> Event:
         # A cancellation point even when events are buffered (no loop turn: see settle).

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from threading import BrokenBarrierError
 from types import TracebackType
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, NoReturn, TypeVar, cast
 
 import anyio
 import torch
@@ -346,6 +346,15 @@ class StepScheduler:
     def reset_progress(self, items_total: int | None = None) -> None:
         """Start counting items afresh, for example at the start of an epoch."""
         self._tracker = ProgressTracker(len(self.devices), items_total)
+
+    def __enter__(self) -> NoReturn:
+        raise TypeError(
+            "StepScheduler is an async context manager: 'async with StepScheduler(...) as "
+            "scheduler:', inside an async function (its run() is awaited too)"
+        )
+
+    def __exit__(self, *exc_info: object) -> None:  # pragma: no cover - __enter__ raises
+        return None
 
     async def __aenter__(self) -> StepScheduler:
         self.start()

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import gc
 import logging
 import multiprocessing
@@ -1315,3 +1316,22 @@ def test_a_scheduler_may_mix_gpus_and_the_cpu_where_a_trainer_may_not(
             lambda m, b: m(b).sum(),
             devices=["cpu", "cuda:0"],
         )
+
+
+def test_a_scheduler_in_a_plain_with_says_to_use_async_with() -> None:
+    # "'StepScheduler' object does not support the context manager protocol".
+    with (
+        pytest.raises(TypeError, match=r"async context manager: 'async with StepScheduler"),
+        StepScheduler(cpu_devices(1)),
+    ):
+        pass
+
+
+def test_an_event_stream_in_a_plain_for_says_to_use_async_for() -> None:
+    # "'EventStream' object is not iterable".
+    trainer = asyncddp.Trainer(
+        torch.nn.Linear(2, 1), functools.partial(torch.optim.SGD, lr=0.1), lambda m, b: m(b).sum()
+    )
+    with pytest.raises(TypeError, match=r"read with 'async for event in stream:'"):
+        for _ in trainer.events():  # type: ignore[attr-defined]
+            pass
