@@ -309,7 +309,15 @@ class Jobs:
             replica.open_window(work.opens_window)
         if work.items == 0:
             return Sums()
+        accumulated = replica.gradients_accumulated
         output = self._forward(self.step, replica, work.shard, ctx)
+        if replica.gradients_accumulated != accumulated:
+            raise StepOutputError(
+                "the step called backward() itself (the model's parameters got gradients "
+                "during it): return the loss, and the trainer runs the backward, weighting "
+                "each device's gradients by its items before they are averaged (a backward "
+                "in the step too would count them twice)"
+            )
         loss, metrics, counted = loss_and_metrics(output, training=True)
         if counted == 0:
             # Nothing to average over (every token of the shard is padding): the shard adds no

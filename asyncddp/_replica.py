@@ -136,6 +136,11 @@ class Replica:
     def used(self, flags: list[bool]) -> None:
         self._used.flags = flags
 
+    @property
+    def gradients_accumulated(self) -> int:
+        """How many gradients have accumulated into this replica's parameters, ever."""
+        return self._used.marks
+
     def regroup(self, parts: int, index: int, *, loose: bool = False) -> None:
         """Re-cut the gradient buffers for ``parts`` replicas, this one at ``index`` (or none,
         ``loose``, for a lone replica in one process: see `FlatGrads`)."""
@@ -178,13 +183,15 @@ class Replica:
 class _UsedFlags:
     """Which parameters of a replica got a gradient since its window opened."""
 
-    __slots__ = ("flags",)
+    __slots__ = ("flags", "marks")
 
     def __init__(self, params: int) -> None:
         self.flags = [False] * params
+        self.marks = 0  # gradients accumulated, ever: one the step's own backward() made shows
 
     def mark(self, index: int, param: torch.Tensor) -> None:
         self.flags[index] = True
+        self.marks += 1
 
 
 class BufferSlots:

@@ -877,6 +877,46 @@ async def test_a_call_while_a_fit_runs_is_refused_saying_which_and_what_to_do() 
     assert "save_checkpoint() writes the state between steps" in refused["state_dict"]
 
 
+@pytest.mark.parametrize(("devices", "accumulate"), [(1, 1), (2, 1), (2, 2)])
+async def test_a_step_that_calls_backward_itself_is_a_step_output_error(
+    devices: int, accumulate: int
+) -> None:
+    # torch's "Trying to backward through the graph a second time ... Specify
+    # retain_graph=True", whose advice would count every gradient twice.
+    def step(model: nn.Module, batch: Any) -> torch.Tensor:
+        loss = loss_step(model, batch)
+        loss.backward()
+        return loss
+
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        step,
+        devices=cpu_devices(devices),
+        progress_bar=False,
+        accumulate_grad_batches=accumulate,
+    )
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(
+        StepOutputError, match=r"the step called backward\(\) itself .*return the loss"
+    ):
+        await trainer.fit(make_batches([4, 4]), epochs=1)
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
+
+
+async def test_gradients_a_step_takes_with_autograd_grad_are_not_a_backward() -> None:
+    # A gradient penalty (torch.autograd.grad) accumulates into no parameter's .grad.
+    def step(model: nn.Module, batch: Any) -> torch.Tensor:
+        inputs = batch[0].requires_grad_(True)
+        loss = F.cross_entropy(model(inputs), batch[1])
+        (grad,) = torch.autograd.grad(loss, inputs, create_graph=True)
+        return loss + 0.1 * grad.pow(2).sum()
+
+    trainer = Trainer(make_model(), SGD, step, devices=cpu_devices(2), progress_bar=False)
+    result = await trainer.fit(make_batches([4, 4]), epochs=1)
+    assert result.global_step == 2
+
+
 async def test_a_fit_called_from_inside_a_step_says_so() -> None:
     # "await it first": the step cannot.
     def step(model: nn.Module, batch: Any) -> torch.Tensor:
