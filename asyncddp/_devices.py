@@ -14,6 +14,7 @@ from typing import TypeAlias
 
 import torch
 
+from ._checks import warn_user
 from ._exceptions import DeviceError, DeviceTypeError
 
 __all__ = ["Device", "DeviceSpec", "cpu_devices", "resolve_devices"]
@@ -195,6 +196,12 @@ def _parse(text: str) -> list[tuple[torch.device, str]]:
         if kind == "cpu" and sep == "#":
             return [(torch.device("cpu"), f"cpu#{int(number)}")]
         if kind == "cpu":  # torch reads "cpu:N" as the CPU, as it reads torch.device("cpu", N)
+            if int(number) > 0:
+                warn_user(
+                    f"{text!r} is the CPU, one worker, as torch reads it (a CPU has no index); "
+                    f"for {int(number)} CPU workers, pass devices=asyncddp.cpu_devices"
+                    f"({int(number)})"
+                )
             return [(torch.device("cpu"), "cpu")]
     raise DeviceError(
         f"unknown device {text!r}; give 'auto', 'cuda', 'cpu', 'cuda:N', 'cpu#N' or an int. "

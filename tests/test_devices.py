@@ -67,8 +67,15 @@ def test_cpu_with_an_index_is_the_cpu_as_torch_reads_it() -> None:
     # torch.device("cpu:0") is the CPU, and resolve_devices took the torch.device; the same
     # text was refused as an unknown device.
     assert names(resolve_devices("cpu:0")) == ["cpu"]
-    assert names(resolve_devices(" CPU:1 ")) == names(resolve_devices(torch.device("cpu:1")))
-    with pytest.raises(DeviceError, match=r"device cpu is given twice.*cpu_devices"):
+    # An index above 0 reads as a count that was meant: it warns, naming cpu_devices.
+    with pytest.warns(UserWarning, match=r"'cpu:4' is the CPU, one worker.*cpu_devices\(4\)"):
+        assert names(resolve_devices("cpu:4")) == ["cpu"]
+    with pytest.warns(UserWarning, match="one worker"):
+        assert names(resolve_devices(" CPU:1 ")) == names(resolve_devices(torch.device("cpu:1")))
+    with (
+        pytest.warns(UserWarning, match="one worker"),
+        pytest.raises(DeviceError, match=r"device cpu is given twice.*cpu_devices"),
+    ):
         resolve_devices(["cpu:0", "cpu:1"])
 
 
