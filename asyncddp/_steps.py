@@ -297,6 +297,11 @@ class Steps:
                     f"on_failure='drop' dropped a device for this error ({last}) in this step "
                     "already: it follows the batch (its data, or the step), not a device"
                 )
+            if action == "raise" and self.on_failure == "retry" and attempt:
+                error.add_note(
+                    f"on_failure='retry': this step failed {attempt + 1} times, its "
+                    f"max_retries={self.max_retries} retries used up"
+                )
             self._publish_failure(error, action)
             if action == "raise":
                 if not isinstance(error, WorkerTimeoutError):  # a hung device cannot undo

@@ -1331,6 +1331,26 @@ async def test_retry_policy_runs_the_step_again() -> None:
     assert "StepRetried" in kinds
 
 
+async def test_retries_used_up_say_so_in_the_error() -> None:
+    def always(model: nn.Module, batch: Any) -> torch.Tensor:
+        raise RuntimeError("broken for good")
+
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        always,
+        devices=cpu_devices(2),
+        on_failure="retry",
+        max_retries=2,
+        progress_bar=False,
+    )
+    with pytest.raises(WorkerFailedError, match="broken for good") as caught:
+        await trainer.fit(make_batches([4]), epochs=1)
+    assert "this step failed 3 times, its max_retries=2 retries used up" in "\n".join(
+        caught.value.__notes__
+    )
+
+
 async def test_drop_policy_goes_on_without_the_failed_device() -> None:
     batches = make_batches([6] * 4)
 
