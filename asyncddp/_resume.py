@@ -154,9 +154,9 @@ class Resumable(Epochs):
             warn_user(
                 f"checkpoint {str(written)!r} holds {', '.join(refused)}, which "
                 "torch.load(weights_only=True) does not load, so resuming from it fails (it "
-                "loads tensors and plain Python values only): keep such state as tensors (a "
-                "module's get_extra_state, say), or, to resume, allow them first with "
-                "torch.serialization.add_safe_globals"
+                "loads tensors and plain Python values only): hold such state as tensors "
+                "(return torch.as_tensor(array) from a module's get_extra_state, say), or, to "
+                "resume, allow them first with torch.serialization.add_safe_globals"
             )
         _log.info("checkpoint saved: %s", written)
         self._hub.publish(CheckpointSaved(str(written), state["epoch"], state["global_step"]))
