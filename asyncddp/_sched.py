@@ -35,7 +35,8 @@ import math
 import os
 import platform
 import sys
-import warnings
+
+from ._checks import warn_user
 
 __all__ = [
     "SLICE_VARIABLE",
@@ -109,11 +110,10 @@ def chosen_slice_ms() -> float | None:
     except ValueError:
         milliseconds = math.nan
     if not math.isfinite(milliseconds):
-        warnings.warn(
+        warn_user(
             f"{SLICE_VARIABLE}={value!r} is not a number of milliseconds; CPU workers use the "
             f"default ({WORKER_SLICE_MS:g} ms outside a process group)",
             RuntimeWarning,
-            stacklevel=2,
         )
         return None
     return max(0.0, milliseconds)

@@ -44,7 +44,13 @@ from ._exceptions import (
 from ._loop import Waker, current_waker
 from ._openmp import release_idle_threads
 from ._progress import Progress, ProgressTracker
-from ._worker import CallerState, DeviceWorker, WorkerContext, new_threads_count
+from ._worker import (
+    CallerState,
+    DeviceWorker,
+    WorkerContext,
+    cpu_worker_slice,
+    new_threads_count,
+)
 
 _log = logging.getLogger("asyncddp")
 
@@ -385,10 +391,11 @@ class StepScheduler:
             DeviceWorker(device, threads=None if device.is_cuda else share, global_threads=count)
             for device in self.devices
         )
+        slice_ms = cpu_worker_slice() if cpu_workers else None  # read (and warned of) once
         started: list[DeviceWorker] = []
         try:
             for worker in workers:
-                worker.start()
+                worker.start(slice_ms)
                 started.append(worker)
         except BaseException:
             _stop_all(started)

@@ -22,7 +22,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 
@@ -34,6 +34,7 @@ __all__ = [
     "DeviceWorker",
     "WorkerContext",
     "after_job",
+    "cpu_worker_slice",
     "current_worker",
     "leave_stream_running",
 ]
@@ -139,7 +140,7 @@ class CallerState(NamedTuple):
         )
 
 
-def _cpu_worker_slice() -> float | None:
+def cpu_worker_slice() -> float | None:
     """The scheduler slice a CPU worker asks for, in ms (see `._sched`); ``None``: none.
 
     The one ``ASYNCDDP_WORKER_SLICE_MS`` chooses; else a long one, so that the event loop's
@@ -236,10 +237,14 @@ class DeviceWorker:
         """The worker's thread."""
         return self._thread
 
-    def start(self) -> None:
-        """Start the thread. It sets up its device (and stream) before its first job."""
+    def start(self, slice_ms: float | Literal["read"] | None = "read") -> None:
+        """Start the thread. It sets up its device (and stream) before its first job.
+
+        ``slice_ms``: the scheduler slice a CPU worker asks for, as `cpu_worker_slice` gave
+        it to the caller starting several (which reads it once, and warns once of a bad
+        ``ASYNCDDP_WORKER_SLICE_MS``); by default read here."""
         if self.device.type == "cpu":
-            self._slice_ms = _cpu_worker_slice()
+            self._slice_ms = cpu_worker_slice() if isinstance(slice_ms, str) else slice_ms
         if self.threads is not None and self._global_threads is None:
             self._global_threads = new_threads_count()
         self._thread.start()

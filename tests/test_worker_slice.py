@@ -177,11 +177,13 @@ async def test_a_variable_that_is_no_number_warns_where_the_workers_start(
     monkeypatch: pytest.MonkeyPatch, asked: list[float]
 ) -> None:
     monkeypatch.setenv(_sched.SLICE_VARIABLE, "fast")
-    with pytest.warns(RuntimeWarning, match="not a number of milliseconds"):
-        async with StepScheduler(cpu_devices(1)) as scheduler:
-            result = await scheduler.run(lambda ctx, shard: shard + 1, [1])
-    assert result.outputs == (2,)
-    assert asked == [_sched.WORKER_SLICE_MS]
+    with pytest.warns(RuntimeWarning, match="not a number of milliseconds") as seen:
+        async with StepScheduler(cpu_devices(2)) as scheduler:
+            result = await scheduler.run(lambda ctx, shard: shard + 1, [1, 2])
+    assert result.outputs == (2, 3)
+    assert asked == [_sched.WORKER_SLICE_MS] * 2
+    assert len(seen) == 1  # once, not once a worker
+    assert seen[0].filename == __file__
 
 
 async def test_with_warnings_as_errors_a_bad_variable_raises_and_no_step_hangs(
