@@ -310,7 +310,17 @@ class Jobs:
         if work.items == 0:
             return Sums()
         accumulated = replica.gradients_accumulated
-        output = self._forward(self.step, replica, work.shard, ctx)
+        try:
+            output = self._forward(self.step, replica, work.shard, ctx)
+        except ValueError as error:
+            if work.items == 1 and "more than 1 value per channel" in str(error):
+                error.add_note(
+                    f"{ctx.device.name}'s share of this batch held 1 item (a batch split "
+                    "across the devices), and BatchNorm needs 2 in training: drop the last, "
+                    "smaller batch (DataLoader(..., drop_last=True)), or use batch sizes of 2 "
+                    "items or more per device"
+                )
+            raise
         if replica.gradients_accumulated != accumulated:
             raise StepOutputError(
                 "the step called backward() itself (the model's parameters got gradients "

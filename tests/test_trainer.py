@@ -1331,6 +1331,18 @@ async def test_retry_policy_runs_the_step_again() -> None:
     assert "StepRetried" in kinds
 
 
+async def test_batchnorm_on_a_one_item_shard_says_why_and_what_to_do() -> None:
+    # 67 items in batches of 32: a last batch of 3 leaves one device 1 item, and torch's
+    # "Expected more than 1 value per channel when training" said nothing of the split.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    trainer = Trainer(model, SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    with pytest.raises(WorkerFailedError, match="more than 1 value per channel") as caught:
+        await trainer.fit(make_batches([4, 3]), epochs=1)
+    assert "held 1 item" in "\n".join(caught.value.__cause__.__notes__)
+    assert "drop_last=True" in "\n".join(caught.value.__cause__.__notes__)
+
+
 async def test_retries_used_up_say_so_in_the_error() -> None:
     def always(model: nn.Module, batch: Any) -> torch.Tensor:
         raise RuntimeError("broken for good")
