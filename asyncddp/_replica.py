@@ -528,6 +528,12 @@ def loss_and_metrics(
             "shard's items (for example loss.mean())"
         )
     if training and not loss.requires_grad:
+        if not (loss.is_floating_point() or loss.is_complex()):
+            raise StepOutputError(
+                f"the step's loss is a tensor of {loss.dtype}, which has no gradient (a count, "
+                "or a comparison's result): return a floating-point loss, such as "
+                "F.cross_entropy(logits, targets)"
+            )
         raise StepOutputError(
             "the step's loss does not require grad: was it computed under torch.no_grad(), or "
             "from detached tensors?"

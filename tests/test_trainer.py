@@ -1985,6 +1985,10 @@ async def test_a_checkpoint_that_resuming_cannot_load_warns_as_it_is_written(
             lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]).detach(),
             "does not require grad",
         ),
+        (  # "computed under torch.no_grad()?", before
+            lambda model, batch: (model(batch[0]).argmax(1) == batch[1]).sum(),
+            r"a tensor of torch.int64, which has no gradient \(a count",
+        ),
         (
             lambda model, batch: {"accuracy": torch.tensor(1.0)},
             r"a dict without a 'loss' entry \(its keys: 'accuracy'\)",
