@@ -555,7 +555,10 @@ class StepScheduler:
         """
         if self._state != "open":
             raise SchedulerClosedError(
-                f"{self!r} is not open; use 'async with StepScheduler(...) as scheduler:'"
+                f"{self!r} is closed (its 'async with' block ended, or aclose() was called): "
+                "run steps inside the block, or make a new scheduler"
+                if self._state == "closed"
+                else f"{self!r} is not started; use 'async with StepScheduler(...) as scheduler:'"
             )
         if _is_async(fn):  # it would return a coroutine nobody awaits
             raise TypeError(

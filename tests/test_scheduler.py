@@ -495,11 +495,12 @@ async def test_event_loop_stays_free_during_a_compute_heavy_step() -> None:
 
 async def test_run_needs_an_open_scheduler() -> None:
     scheduler = StepScheduler(cpu_devices(2))
-    with pytest.raises(SchedulerClosedError, match="async with"):
+    with pytest.raises(SchedulerClosedError, match="is not started; use 'async with"):
         await scheduler.run(where, [None, None])
     async with scheduler:
         pass
-    with pytest.raises(SchedulerClosedError):
+    # Not "use 'async with'", which it was used in.
+    with pytest.raises(SchedulerClosedError, match=r"is closed \(its 'async with' block ended"):
         await scheduler.run(where, [None, None])
     with pytest.raises(SchedulerClosedError, match="started already"):
         async with scheduler:
