@@ -81,7 +81,9 @@ def items_in(batch: object) -> int:
             ". If a tuple or list in it holds one tensor per item (as collate_fn=lambda items: "
             "tuple(zip(*items)) makes), it has no batch dimension: stack the items into tensors"
             if _holds_tensor_runs(batch)
-            else ""
+            else ". If it is one sample, not a batch (from a dataset iterated directly, or a "
+            "DataLoader with batch_size=None), batch the samples: DataLoader(dataset, "
+            "batch_size=...)"
         )
         raise DataError(
             f"the tensors of a batch must share their size along dim 0 (the batch dimension); "

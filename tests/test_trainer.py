@@ -2054,6 +2054,14 @@ def generate_batches() -> Any:
         ([], "yielded no batches"),
         ([["a", "b"]], "at least one tensor with a batch dimension"),
         ([(torch.zeros(3, FEATURES), torch.zeros(2))], "share their size along dim 0"),
+        # One sample of 6 features and its label, from DataLoader(dataset, batch_size=None).
+        (
+            torch.utils.data.DataLoader(
+                torch.utils.data.TensorDataset(torch.zeros(4, FEATURES), torch.zeros(4, 1)),
+                batch_size=None,
+            ),
+            r"sizes \[6, 1\] .*one sample, not a batch .*DataLoader\(dataset, batch_size=",
+        ),
         # fit returned an epoch of train_loss 0.0 from no step at all, and no word.
         (make_batches([0, 0]), r"batches held no items in this epoch \(every batch empty\)"),
         # Its rows were taken for batches: a device failure, "too many values to unpack".
