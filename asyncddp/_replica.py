@@ -515,6 +515,13 @@ def loss_and_metrics(
             "thread, outside the event loop, so it must be a plain function that returns the "
             "loss"
         )
+    elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        kinds = ", ".join(type(part).__name__ for part in output)
+        raise StepOutputError(
+            f"{step} returned a {type(output).__name__} ({kinds}); return the loss alone, or "
+            "a dict: {'loss': loss, 'accuracy': accuracy, ...} (a dict of metrics beside the "
+            "loss: {'loss': loss, **metrics})"
+        )
     else:
         raise StepOutputError(
             f"{step} returned {_kind(output)}; return the loss (a scalar tensor, the mean over "

@@ -1977,6 +1977,10 @@ async def test_a_checkpoint_that_resuming_cannot_load_warns_as_it_is_written(
     [
         (lambda model, batch: None, "the step returned None"),
         (lambda model, batch: 1.5, "the step returned a float"),
+        (  # Lightning-style (loss, logs): "the step returned a tuple", no way out said
+            lambda model, batch: (F.cross_entropy(model(batch[0]), batch[1]), {"acc": 1.0}),
+            r"returned a tuple \(Tensor, dict\); return .* \{'loss': loss, \*\*metrics\}",
+        ),
         (
             lambda model, batch: F.cross_entropy(model(batch[0]), batch[1], reduction="none"),
             "has shape",
