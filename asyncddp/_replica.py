@@ -76,7 +76,7 @@ class Replica:
         # Buffers (BatchNorm statistics) as the open window found them, slot by slot, to undo
         # its forwards, and that window's number (see TrainWork.opens_window).
         self.buffer_backup: list[torch.Tensor | None] | None = None
-        self._backed_up: list[torch.Tensor | None] = []  # the tensors the backup copied
+        self._backed_up: list[int | None] = []  # id() of the tensors the backup copied
         self.buffers_saved_for: int | None = None
         # Which parameters got a gradient in the open window: one that no device used is left
         # out of the optimizer step, as in a plain loop (where its .grad stays None). The hooks
@@ -100,7 +100,9 @@ class Replica:
     def take_buffers(self, first: Replica) -> None:
         """``first``'s buffers into this replica's, slot by slot: copied in place where they
         have the same shape and dtype, else a copy of ``first``'s put in the slot (a cache the
-        forward made or grew); ``None`` where ``first`` holds none."""
+        forward made or grew; on this replica's device, or where ``first``'s is if that is
+        not ``first``'s device: a buffer kept on the CPU); ``None`` where ``first`` holds
+        none."""
         mine, theirs = self.buffer_slots, first.buffer_slots.read()
         for index, (buffer, source) in enumerate(zip(mine.read(), theirs, strict=True)):
             if source is None:
@@ -111,7 +113,9 @@ class Replica:
             ):
                 buffer.copy_(source, non_blocking=True)
             else:
-                mine.write(index, source.detach().to(self.device.torch_device, copy=True))
+                home = first.device.torch_device
+                where = self.device.torch_device if source.device == home else source.device
+                mine.write(index, source.detach().to(where, copy=True))
 
     def restore_buffers(self) -> None:
         """Put the buffers back as `open_window` kept them (the slot's own tensor where it is
@@ -163,13 +167,17 @@ class Replica:
             self._backed_up = [None] * len(buffers)
         with torch.no_grad():
             for index, buffer in enumerate(buffers):
-                if buffer is not None and buffer is self._backed_up[index]:
-                    saved = backup[index]
-                    assert saved is not None
+                saved = backup[index]
+                if (
+                    buffer is not None
+                    and saved is not None
+                    and id(buffer) == self._backed_up[index]
+                    and _layout(saved) == _layout(buffer)  # not resized in place
+                ):
                     saved.copy_(buffer)  # the same tensor as last time: its copy is at hand
                 else:  # the first window, or a buffer the model assigned anew (or None)
                     backup[index] = None if buffer is None else buffer.detach().clone()
-                    self._backed_up[index] = buffer
+                    self._backed_up[index] = None if buffer is None else id(buffer)
 
     def used_mask(self) -> int:
         """The parameters that got a gradient since `open_window`, as a bit mask."""
@@ -208,6 +216,15 @@ class BufferSlots:
 
     def names(self) -> list[str]:
         return [name for _, name in self._slots]
+
+    def holds(self, model: nn.Module) -> bool:
+        """Whether these are ``model``'s slots still: its modules are the same objects (one
+        replaced since, ``model[0] = nn.BatchNorm1d(8)``, has slots of its own)."""
+        now = [(module, name) for module in model.modules() for name in module._buffers]
+        return len(now) == len(self._slots) and all(
+            module is mine and name == my_name
+            for (module, name), (mine, my_name) in zip(now, self._slots, strict=True)
+        )
 
     def read(self) -> list[torch.Tensor | None]:
         return [module._buffers.get(name) for module, name in self._slots]
@@ -269,6 +286,11 @@ def check_rebuilt(first: Replica) -> None:
         _refuse("a module was added or removed")
     if buffer_names(first.model) != first.buffer_slots.names():
         _refuse("a buffer was registered or deleted")
+    if not first.buffer_slots.holds(first.model):
+        # A module replaced by one of the same parts (a frozen pretrained norm layer, say):
+        # the buffers are read from the new one, and the other replicas take its values.
+        first.buffer_slots = BufferSlots(first.model)
+        first.buffer_backup, first.buffers_saved_for = None, None
     thawed = [names[id(p)] for p in now if p.requires_grad and id(p) not in trained]
     if thawed:
         warn_user(

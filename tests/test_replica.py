@@ -570,3 +570,53 @@ async def test_a_parameter_s_own_copy_is_kept_and_tensor_attributes_are_not_shar
     assert second[0].weight.scale is not first[0].weight.scale
     assert torch.equal(second[3].weight.mask, first[3].weight.mask)
     assert second[3].weight.mask is not first[3].weight.mask
+
+
+class GrownInPlace(nn.Module):
+    """A cache grown in place, keeping the tensor's identity (``.data =``, ``resize_``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.register_buffer("table", torch.zeros(2))
+        self.layer = nn.Linear(FEATURES, 3)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        rows = inputs.shape[0]
+        if self.table.numel() < rows:
+            if self.how == "data":
+                self.table.data = torch.arange(float(rows))
+            else:
+                self.table.resize_(rows).copy_(torch.arange(float(rows)))
+        return self.layer(inputs) + 0 * self.table[:rows, None]
+
+
+@pytest.mark.parametrize("how", ["data", "resize_"])
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_a_buffer_grown_in_place_is_backed_up_anew(how: str, devices: int) -> None:
+    # The same tensor, another shape: copying it into the last step's backup raised "The size
+    # of tensor a (2) must match the size of tensor b (4)".
+    trainer = trainer_on(devices, GrownInPlace(how))
+    result = await trainer.fit(make_batches([4, 8, 8]), epochs=2)
+    assert result.global_step == 6
+
+
+class Shift(nn.Module):
+    def __init__(self, mean: float) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.full((FEATURES,), mean))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return inputs - self.mean
+
+
+async def test_a_module_replaced_between_fits_has_its_buffers_on_every_device() -> None:
+    # The slots held the replaced module: the other devices kept its mean of 0.
+    torch.manual_seed(0)
+    model = nn.Sequential(Shift(0.0), nn.Linear(FEATURES, 3))
+    trainer = trainer_on(2, model)
+    await trainer.fit(make_batches([4]), epochs=1)
+    trainer.model[0] = Shift(5.0)
+    await trainer.fit(make_batches([4]), epochs=2)
+    for replica in trainer._replicas:
+        assert torch.equal(replica.model[0].mean, torch.full((FEATURES,), 5.0)), replica.device
