@@ -321,12 +321,15 @@ class Jobs:
                     "items or more per device"
                 )
             raise
-        if replica.gradients_accumulated != accumulated:
+        if replica.gradients_accumulated != accumulated and _holds_gradients(replica):
+            # (A step that cleared what its backward left, model.zero_grad() after an
+            # adversarial example's input gradient, is fine.)
             raise StepOutputError(
-                "the step called backward() itself (the model's parameters got gradients "
-                "during it): return the loss, and the trainer runs the backward, weighting "
+                "the step called backward() itself and left gradients in the model's "
+                "parameters: return the loss, and the trainer runs the backward, weighting "
                 "each device's gradients by its items before they are averaged (a backward "
-                "in the step too would count them twice)"
+                "in the step too would count them twice). For gradients of the inputs, use "
+                "torch.autograd.grad(loss, inputs), or call model.zero_grad() before returning"
             )
         loss, metrics, counted = loss_and_metrics(output, training=True)
         if counted == 0:
@@ -656,6 +659,11 @@ def to_cpu(value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(to_cpu(item) for item in value)
     return value
+
+
+def _holds_gradients(replica: Replica) -> bool:
+    """Whether any of the replica's parameters holds a gradient that is not all zeros."""
+    return any(p.grad is not None and bool(p.grad.any()) for p in replica.params)
 
 
 def exchange_gradients(

@@ -904,6 +904,34 @@ async def test_a_step_that_calls_backward_itself_is_a_step_output_error(
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
 
 
+def adversarial_step(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The tutorials' FGSM: backward for the inputs' gradient, zero the model's, train on the
+    perturbed inputs."""
+    inputs = batch[0].clone().requires_grad_(True)
+    F.cross_entropy(model(inputs), batch[1]).backward()
+    perturbed = (inputs + 0.1 * inputs.grad.sign()).detach()
+    model.zero_grad()
+    return F.cross_entropy(model(perturbed), batch[1])
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_a_step_that_clears_the_gradients_its_backward_left_trains_as_a_plain_loop(
+    devices: int,
+) -> None:
+    batches = make_batches([4, 4])
+    expected = make_model()
+    optimizer = SGD(expected.parameters())
+    for batch in batches:
+        optimizer.zero_grad()
+        adversarial_step(expected, batch).backward()
+        optimizer.step()
+    trainer = Trainer(
+        make_model(), SGD, adversarial_step, devices=cpu_devices(devices), progress_bar=False
+    )
+    await trainer.fit(batches, epochs=1)
+    assert_close(trainer.model, expected)
+
+
 async def test_gradients_a_step_takes_with_autograd_grad_are_not_a_backward() -> None:
     # A gradient penalty (torch.autograd.grad) accumulates into no parameter's .grad.
     def step(model: nn.Module, batch: Any) -> torch.Tensor:
