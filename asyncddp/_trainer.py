@@ -1026,25 +1026,36 @@ def _shown(value: Any) -> str:
 
 
 def _check_takes_model_and_batch(name: str, function: Any) -> None:
-    """Refuse a step that cannot be called as ``step(model, batch)`` (``step(batch)``, or
-    Lightning's ``training_step(batch, batch_idx)`` with a third argument), before any thread
-    starts; one whose signature cannot be read is let through."""
-    try:
-        signature = inspect.signature(function)
-    except (TypeError, ValueError):
-        return
-    try:
-        signature.bind(None, None)
-    except TypeError as error:
-        shown = getattr(function, "__qualname__", None) or repr(function)
-        parameters = ", ".join(
-            str(p).split(":")[0].split("=")[0] for p in signature.parameters.values()
-        )
-        raise ConfigurationError(
-            f"{name} {shown}({parameters}) cannot be called as {name}(model, batch) ({error}): "
-            f"the trainer calls it with the device's model and its share of the batch, as "
-            f"def {name}(model, batch): return loss"
-        ) from None
+    """Refuse a step that cannot be called as ``step(model, batch)`` (``step(batch)``, or one
+    with a third argument, as Lightning's ``training_step(batch, batch_idx)`` has), before any
+    thread starts. One whose signature cannot be read is let through, and so is one that a
+    decorator's own signature lets through (``functools.wraps`` shows the wrapped one, and the
+    decorator may supply an argument)."""
+    error: TypeError | None = None
+    signatures = []
+    for follow in (True, False):
+        try:
+            signature = inspect.signature(function, follow_wrapped=follow)
+        except (TypeError, ValueError):
+            return
+        try:
+            signature.bind(None, None)
+            return
+        except TypeError as refused:
+            error = error or refused
+            signatures.append(signature)
+    shown = getattr(function, "__qualname__", None) or repr(function)
+    plain = signatures[0].replace(
+        parameters=[
+            p.replace(annotation=inspect.Parameter.empty) for p in signatures[0].parameters.values()
+        ],
+        return_annotation=inspect.Signature.empty,
+    )
+    raise ConfigurationError(
+        f"{name} {shown}{plain} cannot be called as {name}(model, batch) ({error}): the "
+        f"trainer calls it with the device's model and its share of the batch, as "
+        f"def {name}(model, batch): return loss"
+    )
 
 
 def _check(condition: bool, message: str) -> None:
