@@ -11,6 +11,7 @@ import inspect
 import itertools
 import numbers
 import operator
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn, cast
 
@@ -22,6 +23,7 @@ from ._checks import warn_user
 from ._devices import Device
 from ._exceptions import ConfigurationError, StepOutputError
 from ._sync import FlatGrads, StepBackup
+from ._worker import current_worker
 
 __all__ = [
     "OptimizerFactory",
@@ -142,7 +144,9 @@ class Replica:
 
     @property
     def gradients_accumulated(self) -> int:
-        """How many gradients have accumulated into this replica's parameters, ever."""
+        """How many gradients this replica's own backwards have accumulated into its
+        parameters, ever; read on its worker thread, which it takes as its own."""
+        self._used.thread = threading.get_ident()
         return self._used.marks
 
     def regroup(self, parts: int, index: int, *, loose: bool = False) -> None:
@@ -191,15 +195,21 @@ class Replica:
 class _UsedFlags:
     """Which parameters of a replica got a gradient since its window opened."""
 
-    __slots__ = ("flags", "marks")
+    __slots__ = ("flags", "marks", "thread")
 
     def __init__(self, params: int) -> None:
         self.flags = [False] * params
-        self.marks = 0  # gradients accumulated, ever: one the step's own backward() made shows
+        # Gradients accumulated, ever, by a backward of this replica's own worker (or of
+        # autograd's device threads, a GPU's): one the step's own backward() made shows. Not
+        # another worker's: a step that uses a model from outside it (trainer.model) writes
+        # into the first replica from every device, which says so itself.
+        self.marks = 0
+        self.thread: int | None = None  # the worker thread running this replica's jobs
 
     def mark(self, index: int, param: torch.Tensor) -> None:
         self.flags[index] = True
-        self.marks += 1
+        if threading.get_ident() == self.thread or current_worker() is None:
+            self.marks += 1
 
 
 class BufferSlots:

@@ -2052,15 +2052,32 @@ async def test_a_validation_step_that_returns_no_loss_says_it_is_the_validation_
         await trainer.validate(make_batches([4]))
 
 
-async def test_a_step_that_trains_a_model_from_outside_it_is_a_clear_error() -> None:
+@pytest.mark.parametrize("first_is_slow", [False, True])
+async def test_a_step_that_trains_a_model_from_outside_it_is_a_clear_error(
+    first_is_slow: bool,
+) -> None:
     # A common slip: the step closes over the user's model instead of using its argument.
     # Every device would then train the first replica, and the others none: no error, wrong
-    # numbers. The devices whose replica got no gradient say so.
+    # numbers. The devices whose replica got no gradient say so. (With the first device still
+    # in its forward as the second's backward wrote into its replica, the first said "the step
+    # called backward() itself", wrongly, about 1 run in 10.)
     model = make_model()
+
+    def on_device(index: int) -> bool:
+        worker = asyncddp.current_worker()
+        return first_is_slow and worker is not None and worker.device.index == index
 
     def step(replica: nn.Module, batch: Any) -> torch.Tensor:
         inputs, targets = batch
+        if on_device(0):  # in its forward while the second device's backward runs
+            time.sleep(0.3)
         return F.cross_entropy(model(inputs), targets)  # not replica(inputs)
+
+    def slow_last_gradient(param: torch.Tensor) -> None:
+        if on_device(1):  # the second device's own check comes after the first's
+            time.sleep(1.0)
+
+    model[0].weight.register_post_accumulate_grad_hook(slow_last_gradient)
 
     trainer = Trainer(model, SGD, step, devices=cpu_devices(2), progress_bar=False)
     before = [p.detach().clone() for p in trainer.model.parameters()]
