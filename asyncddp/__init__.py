@@ -53,6 +53,7 @@ from ._exceptions import WorkerFailedError as WorkerFailedError
 from ._exceptions import WorkerTimeoutError as WorkerTimeoutError
 from ._progress import Progress as Progress
 from ._progress import ProgressTracker as ProgressTracker
+from ._scheduler import JobQueuedError as JobQueuedError
 from ._scheduler import StepResult as StepResult
 from ._scheduler import StepScheduler as StepScheduler
 from ._trainer import DeviceDroppedWarning as DeviceDroppedWarning
@@ -83,6 +84,7 @@ __all__ = [
     "FitEnded",
     "FitResult",
     "FitStarted",
+    "JobQueuedError",
     "NonFiniteLossError",
     "Progress",
     "ProgressTracker",

@@ -54,7 +54,7 @@ from ._worker import (
 
 _log = logging.getLogger("asyncddp")
 
-__all__ = ["StepResult", "StepScheduler"]
+__all__ = ["JobQueuedError", "StepResult", "StepScheduler"]
 
 S = TypeVar("S")
 T = TypeVar("T")

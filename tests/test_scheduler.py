@@ -25,6 +25,7 @@ import torch
 import asyncddp
 from asyncddp import (
     ConfigurationError,
+    JobQueuedError,
     SchedulerClosedError,
     ShardError,
     StepScheduler,
@@ -35,7 +36,6 @@ from asyncddp import (
     cpu_devices,
 )
 from asyncddp._openmp import release_idle_threads
-from asyncddp._scheduler import JobQueuedError
 from asyncddp._worker import CallerState, DeviceWorker, leave_stream_running
 from asyncddp.testing import InjectedFailure, asyncddp_threads, fail_on, hang_on
 
