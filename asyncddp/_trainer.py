@@ -710,13 +710,23 @@ class Trainer(Resumable):
     def state_dict(self) -> dict[str, Any]:
         """The training state: model, optimizer, LR scheduler, loss scale, position, RNG.
 
-        Call it while no fit runs (use `save_checkpoint` during one).
+        Call it while no step runs: between calls, or from an event consumer during a fit
+        before it awaits anything (the fit waits for it between steps); `save_checkpoint`
+        writes the state at any time.
 
         Raises:
-            ConfigurationError: a fit, validation or checkpoint is running (its optimizer
-                step may be half done).
+            ConfigurationError: a step of a fit is in progress (its optimizer step may be
+                half done).
         """
-        self._refuse_if_running("state_dict()")
+        if self._session_kind is not None and self._window_open:
+            raise ConfigurationError(
+                "state_dict() cannot read the state while a step of fit() is in progress (its "
+                "optimizer step may be half done): call it from an event consumer before it "
+                "awaits anything, or await save_checkpoint(), which waits for the step"
+            )
+        for replica in self._replicas:
+            if replica.device.is_cuda:  # the workers' streams may still be stepping
+                torch.cuda.synchronize(replica.device.torch_device)
         first = self._replicas[0] if self._replicas else None
         if first is None and self._pending_state is not None:
             # Loaded before any fit built the replicas: the loaded optimizer and LR scheduler.
