@@ -5,12 +5,14 @@ back as a plain Python value (a NumPy int as an ``int``, say)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import math
 import numbers
 import operator
 import os
 import sys
+import threading
 import warnings
 from typing import Any
 
@@ -84,8 +86,10 @@ def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` at the user's line that called into asyncddp (``await trainer.fit(...)``;
     a coroutine's caller is its frame's ``f_back`` while it runs), however deep in the library
     the warning is raised: the first frame outside asyncddp and the machinery between
-    (``contextlib``, the event loop's libraries); the first outside asyncddp where there is no
-    such frame (a fit started as a task of its own)."""
+    (``contextlib``, the event loop's libraries, threads). A fit started as a task of its own
+    has no caller but the event loop's: the warning goes to the line that runs the loop
+    (``asyncio.run(main())``), or, where the stack holds nothing else, the first frame past
+    asyncddp's own."""
     machinery = _machinery()
     frame = sys._getframe(1)  # the caller of warn_user: stacklevel=2
     level, fallback = 2, None
@@ -107,7 +111,12 @@ def _machinery() -> tuple[str, ...]:
     """The files and folders of the machinery between the user's code and asyncddp's."""
     folders = [
         os.path.dirname(os.path.abspath(module.__file__)) + os.sep
-        for module in (asyncio, sys.modules.get("anyio"), sys.modules.get("trio"))
+        for module in (
+            asyncio,
+            concurrent.futures,
+            sys.modules.get("anyio"),
+            sys.modules.get("trio"),
+        )
         if module is not None and module.__file__ is not None
     ]
-    return (os.path.abspath(contextlib.__file__), *folders)
+    return (os.path.abspath(contextlib.__file__), os.path.abspath(threading.__file__), *folders)
