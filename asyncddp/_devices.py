@@ -200,7 +200,7 @@ def _parse(text: str) -> list[tuple[torch.device, str]]:
                 warn_user(
                     f"{text!r} is the CPU, one worker, as torch reads it (a CPU has no index); "
                     f"for {int(number)} CPU workers, pass devices=asyncddp.cpu_devices"
-                    f"({int(number)})"
+                    f"({int(number)}) (on the command line, --devices {int(number)})"
                 )
             return [(torch.device("cpu"), "cpu")]
     raise DeviceError(
