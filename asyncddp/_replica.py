@@ -105,34 +105,18 @@ class Replica:
         forward made or grew; on this replica's device, or where ``first``'s is if that is
         not ``first``'s device: a buffer kept on the CPU); ``None`` where ``first`` holds
         none."""
-        mine, theirs = self.buffer_slots, first.buffer_slots.read()
-        for index, (buffer, source) in enumerate(zip(mine.read(), theirs, strict=True)):
-            if source is None:
-                if buffer is not None:
-                    mine.write(index, None)
-            elif (
-                buffer is not None and buffer.shape == source.shape and buffer.dtype == source.dtype
-            ):
-                buffer.copy_(source, non_blocking=True)
-            else:
-                home = first.device.torch_device
-                where = self.device.torch_device if source.device == home else source.device
-                mine.write(index, source.detach().to(where, copy=True))
+        home, mine = first.device.torch_device, self.device.torch_device
+        self.buffer_slots.put(
+            first.buffer_slots.read(),
+            lambda value: mine if value.device == home else value.device,
+        )
 
     def restore_buffers(self) -> None:
-        """Put the buffers back as `open_window` kept them (the slot's own tensor where it is
-        the same shape and dtype, else the kept copy in the slot)."""
+        """Put the buffers back as `open_window` kept them (into the slot's own tensor where it
+        is the same shape and dtype, else a copy of the kept one in the slot)."""
         backup = self.buffer_backup
         assert backup is not None
-        slots = self.buffer_slots
-        for index, (buffer, saved) in enumerate(zip(slots.read(), backup, strict=True)):
-            if saved is None:
-                if buffer is not None:
-                    slots.write(index, None)
-            elif buffer is not None and _layout(buffer) == _layout(saved):
-                buffer.copy_(saved)
-            else:
-                slots.write(index, saved.clone())
+        self.buffer_slots.put(backup, lambda value: value.device)
 
     @property
     def used(self) -> list[bool]:
@@ -219,7 +203,7 @@ class BufferSlots:
     one, of another shape even (a cache grown for a longer sequence)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._slots = [(module, name) for module in model.modules() for name in module._buffers]
+        self._slots = slots_of(model)
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -227,13 +211,12 @@ class BufferSlots:
     def names(self) -> list[str]:
         return [name for _, name in self._slots]
 
-    def holds(self, model: nn.Module) -> bool:
-        """Whether these are ``model``'s slots still: its modules are the same objects (one
-        replaced since, ``model[0] = nn.BatchNorm1d(8)``, has slots of its own)."""
-        now = [(module, name) for module in model.modules() for name in module._buffers]
-        return len(now) == len(self._slots) and all(
+    def are(self, slots: list[tuple[nn.Module, str]]) -> bool:
+        """Whether ``slots`` (`slots_of` a model now) are these: the same modules, not one
+        replaced since (``model[0] = nn.BatchNorm1d(8)``, whose slots are its own)."""
+        return len(slots) == len(self._slots) and all(
             module is mine and name == my_name
-            for (module, name), (mine, my_name) in zip(now, self._slots, strict=True)
+            for (module, name), (mine, my_name) in zip(slots, self._slots, strict=True)
         )
 
     def read(self) -> list[torch.Tensor | None]:
@@ -242,6 +225,23 @@ class BufferSlots:
     def write(self, index: int, tensor: torch.Tensor | None) -> None:
         module, name = self._slots[index]
         module._buffers[name] = tensor
+
+    def put(
+        self,
+        values: list[torch.Tensor | None],
+        where: Callable[[torch.Tensor], torch.device],
+    ) -> None:
+        """Make each slot hold the value of ``values`` at its place: copied into the tensor it
+        holds where shape and dtype match, else a copy of the value (on ``where(value)``) put
+        in the slot (a cache made or grown since); ``None`` empties it."""
+        for index, (buffer, value) in enumerate(zip(self.read(), values, strict=True)):
+            if value is None:
+                if buffer is not None:
+                    self.write(index, None)
+            elif buffer is not None and buffer.shape == value.shape and buffer.dtype == value.dtype:
+                buffer.copy_(value, non_blocking=True)
+            else:
+                self.write(index, value.detach().to(where(value), copy=True))
 
     def tensors(self) -> list[torch.Tensor]:
         """The buffers held, each once, in the order of ``model.buffers()``."""
@@ -254,9 +254,10 @@ class BufferSlots:
         return held
 
 
-def buffer_names(model: nn.Module) -> list[str]:
-    """The names of every module's buffer entries (``None`` ones too), in `BufferSlots` order."""
-    return [name for module in model.modules() for name in module._buffers]
+def slots_of(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Every module's buffer entries (``None`` ones too), as (module, name), in the order of
+    ``model.buffers()``."""
+    return [(module, name) for module in model.modules() for name in module._buffers]
 
 
 def check_rebuilt(first: Replica) -> None:
@@ -294,9 +295,10 @@ def check_rebuilt(first: Replica) -> None:
             )
     if sum(1 for _ in first.model.modules()) != first.built_modules:
         _refuse("a module was added or removed")
-    if buffer_names(first.model) != first.buffer_slots.names():
+    slots = slots_of(first.model)
+    if [name for _, name in slots] != first.buffer_slots.names():
         _refuse("a buffer was registered or deleted")
-    if not first.buffer_slots.holds(first.model):
+    if not first.buffer_slots.are(slots):
         # A module replaced by one of the same parts (a frozen pretrained norm layer, say):
         # the buffers are read from the new one, and the other replicas take its values.
         first.buffer_slots = BufferSlots(first.model)
