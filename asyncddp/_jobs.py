@@ -309,7 +309,7 @@ class Jobs:
             replica.open_window(work.opens_window)
         if work.items == 0:
             return Sums()
-        accumulated = replica.gradients_accumulated
+        accumulated = replica.claim_gradients()
         try:
             output = self._forward(self.step, replica, work.shard, ctx)
         except ValueError as error:

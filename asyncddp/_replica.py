@@ -126,11 +126,16 @@ class Replica:
     def used(self, flags: list[bool]) -> None:
         self._used.flags = flags
 
+    def claim_gradients(self) -> int:
+        """Take the calling thread (this replica's worker, in a job) as the one whose
+        backwards count as this replica's own; returns how many gradients they have
+        accumulated into its parameters, ever (see `_UsedFlags`)."""
+        self._used.thread = threading.get_ident()
+        return self._used.marks
+
     @property
     def gradients_accumulated(self) -> int:
-        """How many gradients this replica's own backwards have accumulated into its
-        parameters, ever; read on its worker thread, which it takes as its own."""
-        self._used.thread = threading.get_ident()
+        """How many gradients this replica's own backwards have accumulated, ever."""
         return self._used.marks
 
     def regroup(self, parts: int, index: int, *, loose: bool = False) -> None:
