@@ -1038,9 +1038,10 @@ def _shown(value: Any) -> str:
 def _check_takes_model_and_batch(name: str, function: Any) -> None:
     """Refuse a step that cannot be called as ``step(model, batch)`` (``step(batch)``, or one
     with a third argument, as Lightning's ``training_step(batch, batch_idx)`` has), before any
-    thread starts. One whose signature cannot be read is let through, and so is one that a
-    decorator's own signature lets through (``functools.wraps`` shows the wrapped one, and the
-    decorator may supply an argument)."""
+    thread starts, and a bound ``training_step(self, batch, batch_idx)`` of a LightningModule
+    (it binds, with the model as its batch). One whose signature cannot be read is let through,
+    and so is one that a decorator's own signature lets through (``functools.wraps`` shows the
+    wrapped one, and the decorator may supply an argument)."""
     error: TypeError | None = None
     signatures = []
     for follow in (True, False):
@@ -1050,10 +1051,20 @@ def _check_takes_model_and_batch(name: str, function: Any) -> None:
             return
         try:
             signature.bind(None, None)
-            return
         except TypeError as refused:
             error = error or refused
             signatures.append(signature)
+            continue
+        names = [p.name for p in signature.parameters.values()][:2]
+        if names == ["batch", "batch_idx"]:  # Lightning's hook, bound: model would be its batch
+            shown = getattr(function, "__qualname__", None) or repr(function)
+            raise ConfigurationError(
+                f"{name} {shown}(batch, batch_idx) is a LightningModule-style hook: the trainer "
+                f"would call it as {name}(model, batch), with the model as its batch. Write "
+                f"def {name}(model, batch): return loss, calling the model yourself (Lightning's "
+                "training_step body, with self replaced by model)"
+            )
+        return
     shown = getattr(function, "__qualname__", None) or repr(function)
     plain = signatures[0].replace(
         parameters=[

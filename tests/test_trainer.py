@@ -991,6 +991,15 @@ def batch_only(batch: Any) -> torch.Tensor:
     return batch[0].sum()
 
 
+class LightningStyle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = make_model()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return loss_step(self.layer, batch)
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
@@ -1005,6 +1014,12 @@ def batch_only(batch: Any) -> torch.Tensor:
             r"step\(model, batch\) \(missing a required argument: 'batch_idx'\)",
         ),
         ({"step": batch_only}, r"step batch_only\(batch\) cannot .* \(too many positional"),
+        (
+            # Bound, it binds as step(model, batch): the model went in as its batch.
+            {"step": LightningStyle().training_step},
+            r"step LightningStyle.training_step\(batch, batch_idx\) is a LightningModule-style "
+            r"hook: .* with the model as its batch",
+        ),
         (
             {"valid_step": lightning_step},
             r"valid_step lightning_step.*cannot be called as valid_step\(model, batch\)",
@@ -1024,6 +1039,7 @@ def batch_only(batch: Any) -> torch.Tensor:
         "model-class",
         "lightning-step",
         "batch-only-step",
+        "lightning-bound-step",
         "lightning-valid-step",
         "optimizer-as-step",
         "optimizer-class-as-step",
