@@ -173,6 +173,17 @@ class Epochs(DistributedSteps):
             await after_left_behind(left.source)
         self._count_left_loading()
 
+    @staticmethod
+    def _warn_shorter(data: object, epoch: int, batches: int, skip: int) -> None:
+        """A continued epoch's data ended before the batches it had trained on."""
+        warn_user(
+            f"train_data ({type(data).__name__}) has {batches} batch(es) in epoch {epoch}, but "
+            f"the run this continues stopped in that epoch after {skip}: the epoch ends with "
+            "nothing more trained. A mid-epoch stop or checkpoint counts batches, so continue "
+            "it with the same data (the same dataset, batch size and sampler); for other "
+            "data, continue from a checkpoint written at the end of an epoch"
+        )
+
     async def _train_epoch(self, data: Iterable[Any], epochs: int) -> bool:
         """Train on the epoch's batches (or the rest of them); False when ``stop()`` came first."""
         # Before the generators are captured or put back below: a loader an earlier call
@@ -264,6 +275,8 @@ class Epochs(DistributedSteps):
                         give_up if not window.batches and not pending else None
                     )
                     if batch is ENDED:
+                        if prefetcher.loaded < skip:
+                            self._warn_shorter(data, epoch, prefetcher.loaded, skip)
                         if pending:
                             window.batches.append(pending)
                         if window.batches:

@@ -153,6 +153,29 @@ async def test_a_continued_epoch_gets_the_same_epoch_number_and_order() -> None:
     torch.testing.assert_close(parameters(trainer), parameters(uninterrupted))
 
 
+@pytest.mark.parametrize("kind", ["list", "DataLoader"])
+async def test_an_epoch_continued_over_fewer_batches_than_it_trained_warns(kind: str) -> None:
+    # It skipped all 2 batches and ended the epoch without a word.
+    def data(batches: int) -> Any:
+        loader = DataLoader(torch.utils.data.Subset(Numbered(), range(4 * batches)), batch_size=4)
+        return list(loader) if kind == "list" else loader
+
+    trainer = make_trainer(Recorder())
+    await fit_until_stopped(trainer, data(4), epochs=2, at_step=2)  # 3 batches of epoch 0
+    with pytest.warns(
+        UserWarning,
+        match=rf"^train_data \({kind}\) has 2 batch\(es\) in epoch 0, but the run this "
+        r"continues stopped in that epoch after 3: the epoch ends with nothing more trained",
+    ) as caught:
+        await trainer.fit(data(2), epochs=2)
+    assert caught[0].filename == __file__
+    # The same data, or as many batches as it had trained on: no warning.
+    for batches in (4, 3):
+        trainer = make_trainer(Recorder())
+        await fit_until_stopped(trainer, data(4), epochs=2, at_step=2)
+        await trainer.fit(data(batches), epochs=2)
+
+
 # -- a loader's own generator ------------------------------------------------------------------
 
 
