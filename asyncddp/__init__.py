@@ -40,6 +40,8 @@ from ._events import StepRetried as StepRetried
 from ._events import ValidationEnded as ValidationEnded
 from ._events import WorkerFailed as WorkerFailed
 from ._exceptions import AsyncDDPError as AsyncDDPError
+from ._exceptions import AsyncDDPRuntimeWarning as AsyncDDPRuntimeWarning
+from ._exceptions import AsyncDDPWarning as AsyncDDPWarning
 from ._exceptions import CheckpointError as CheckpointError
 from ._exceptions import ConfigurationError as ConfigurationError
 from ._exceptions import DataError as DataError
@@ -67,6 +69,8 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "AsyncDDPError",
+    "AsyncDDPRuntimeWarning",
+    "AsyncDDPWarning",
     "CheckpointError",
     "CheckpointSaved",
     "ConfigurationError",

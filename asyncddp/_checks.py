@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ._exceptions import ConfigurationError
+from ._exceptions import AsyncDDPWarning, ConfigurationError
 
 #: What ``torch.set_num_threads`` takes (a C int); more is an overflow inside the worker.
 MAX_THREADS = 2**31 - 1
@@ -82,7 +82,7 @@ def check_path(name: str, value: Any) -> None:
         )
 
 
-def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+def warn_user(message: str, category: type[AsyncDDPWarning] = AsyncDDPWarning) -> None:
     """``warnings.warn`` at the user's line that called into asyncddp (``await trainer.fit(...)``;
     a coroutine's caller is its frame's ``f_back`` while it runs), however deep in the library
     the warning is raised: the first frame outside asyncddp and the machinery between

@@ -35,7 +35,7 @@ from torch import nn
 from . import _checkpoint, _comm, distributed
 from ._checks import warn_user
 from ._comm import Comm, Global
-from ._exceptions import ConfigurationError, WorkerFailedError
+from ._exceptions import AsyncDDPRuntimeWarning, ConfigurationError, WorkerFailedError
 from ._jobs import ExchangeWork, Sums, TrainWork, exchange_gradients
 from ._loop import current_waker
 from ._ranks import rank_view, set_sampler_epoch
@@ -136,7 +136,7 @@ class DistributedSteps(Steps):
                     f"WORLD_SIZE={world} is set (launched by torchrun?), but this process joined "
                     "no process group: each process trains alone, on all of its data. Call "
                     "asyncddp.distributed.init() before fit() to train across the processes",
-                    RuntimeWarning,
+                    AsyncDDPRuntimeWarning,
                 )
             return
         model = self._source_model()

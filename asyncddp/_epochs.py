@@ -29,7 +29,12 @@ from ._comm import PeerFailed, RankLost
 from ._data import check_batch, no_batches, pin
 from ._dsteps import DistributedSteps
 from ._events import EpochEnded, StepEnded, ValidationEnded
-from ._exceptions import ConfigurationError, StepOutputError, WorkerFailedError
+from ._exceptions import (
+    AsyncDDPRuntimeWarning,
+    ConfigurationError,
+    StepOutputError,
+    WorkerFailedError,
+)
 from ._jobs import Jobs, Sums, check_counts
 from ._loader import ENDED, GAVE_UP, Prefetcher, after_left_behind
 from ._progress import ProgressTracker
@@ -339,7 +344,7 @@ class Epochs(DistributedSteps):
                 f"epoch {epoch}'s training loss is {record.train_loss}: the parameters are "
                 "likely non-finite too. Trainer(check_finite=True) stops at the first "
                 "non-finite loss and names its device and step",
-                RuntimeWarning,
+                AsyncDDPRuntimeWarning,
             )
         _log.info(
             "epoch %d: train_loss=%.6g over %d items in %.2fs",

@@ -22,6 +22,13 @@ attributes and traceback intact) and stores only numbers, strings and `Device` v
 itself, so holding on to it pins no tensor beyond what that traceback holds, and it pickles.
 ``KeyboardInterrupt`` and ``SystemExit`` raised inside a job are never wrapped: they reach the
 caller as they are, so that ``except Exception`` cannot swallow a Ctrl-C.
+
+Every warning the library gives derives from `AsyncDDPWarning` (a ``UserWarning``); those about
+something that went wrong while running also from ``RuntimeWarning``::
+
+    AsyncDDPWarning (UserWarning)
+    └── AsyncDDPRuntimeWarning (RuntimeWarning)
+        └── DeviceDroppedWarning                a failed device dropped (on_failure="drop")
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AsyncDDPError",
+    "AsyncDDPRuntimeWarning",
+    "AsyncDDPWarning",
     "CheckpointError",
     "ConfigurationError",
     "DataError",
@@ -50,6 +59,21 @@ __all__ = [
 
 class AsyncDDPError(Exception):
     """The root of every exception asyncddp raises on purpose."""
+
+
+class AsyncDDPWarning(UserWarning):
+    """The root of every warning asyncddp gives.
+
+    Its warnings point at your own line (the ``await trainer.fit(...)`` that led to them), so a
+    filter on ``module="asyncddp"`` matches none of them; filter on this category instead::
+
+        warnings.filterwarnings("ignore", category=asyncddp.AsyncDDPWarning)
+    """
+
+
+class AsyncDDPRuntimeWarning(AsyncDDPWarning, RuntimeWarning):
+    """A warning about something that went wrong while running (an epoch's loss that is not
+    finite, a worker thread left behind, a device dropped); a ``RuntimeWarning`` too."""
 
 
 class DeviceError(AsyncDDPError, ValueError):

@@ -37,6 +37,7 @@ import platform
 import sys
 
 from ._checks import warn_user
+from ._exceptions import AsyncDDPRuntimeWarning
 
 __all__ = [
     "SLICE_VARIABLE",
@@ -113,7 +114,7 @@ def chosen_slice_ms() -> float | None:
         warn_user(
             f"{SLICE_VARIABLE}={value!r} is not a number of milliseconds; CPU workers use the "
             f"default ({WORKER_SLICE_MS:g} ms outside a process group)",
-            RuntimeWarning,
+            AsyncDDPRuntimeWarning,
         )
         return None
     return max(0.0, milliseconds)

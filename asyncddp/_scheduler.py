@@ -35,6 +35,7 @@ from ._checks import MAX_THREADS, check_int, check_seconds
 from ._data import count_items
 from ._devices import Device, DeviceSpec, resolve_devices
 from ._exceptions import (
+    AsyncDDPRuntimeWarning,
     ConfigurationError,
     SchedulerClosedError,
     ShardError,
@@ -483,7 +484,7 @@ class StepScheduler:
                     f"{worker.thread.name} is still running a job (or the work one left for "
                     f"after it) after drain_timeout="
                     f"{self.drain_timeout} s; left behind, it exits once the job returns",
-                    RuntimeWarning,
+                    AsyncDDPRuntimeWarning,
                     stacklevel=4,
                 )
         return cancellation

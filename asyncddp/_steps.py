@@ -36,6 +36,7 @@ from ._data import items_in, split_batch
 from ._devices import Device, resolve_devices
 from ._events import DeviceDropped, EventHub, StepRetried, WorkerFailed
 from ._exceptions import (
+    AsyncDDPRuntimeWarning,
     NonFiniteLossError,
     StepOutputError,
     WorkerFailedError,
@@ -67,7 +68,7 @@ from ._worker import WorkerContext
 __all__ = ["DeviceDroppedWarning", "Steps", "Window"]
 
 
-class DeviceDroppedWarning(RuntimeWarning):
+class DeviceDroppedWarning(AsyncDDPRuntimeWarning):
     """A failed device was dropped and training went on without it (``on_failure="drop"``)."""
 
 

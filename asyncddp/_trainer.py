@@ -65,6 +65,7 @@ from ._events import (
 )
 from ._exceptions import (
     AsyncDDPError,
+    AsyncDDPWarning,
     ConfigurationError,
     DataError,
     DeviceError,
@@ -343,7 +344,7 @@ class Trainer(Resumable):
             warnings.warn(
                 "pin_memory=True does nothing when no device is a GPU "
                 f"({', '.join(d.name for d in self.devices)}): batches are not page-locked",
-                UserWarning,
+                AsyncDDPWarning,
                 stacklevel=2,
             )
             pin_memory = False
@@ -549,7 +550,7 @@ class Trainer(Resumable):
                     f"resume='latest': no checkpoint in {str(self.checkpoint_dir)!r} yet, so "
                     "nothing is resumed: training goes on from this trainer's own state (the "
                     "start, for a new trainer)",
-                    UserWarning,
+                    AsyncDDPWarning,
                     stacklevel=2,
                 )
             if self.epoch >= epochs:
@@ -559,7 +560,7 @@ class Trainer(Resumable):
                     "already, and epochs counts from the start of training (as Lightning's "
                     f"max_epochs); epochs={self.epoch + epochs} trains until "
                     f"{self.epoch + epochs} are complete",
-                    UserWarning,
+                    AsyncDDPWarning,
                     stacklevel=2,
                 )
             passes = epochs - self.epoch - (1 if self._epoch_trained else 0)

@@ -120,3 +120,56 @@ def test_notes_survive_pickling() -> None:
     error.add_note("while training the digits model")
     copy = pickle.loads(pickle.dumps(error))
     assert copy.__notes__ == ["while training the digits model"]
+
+
+def test_warnings_tree() -> None:
+    assert issubclass(asyncddp.AsyncDDPWarning, UserWarning)
+    assert issubclass(asyncddp.AsyncDDPRuntimeWarning, asyncddp.AsyncDDPWarning)
+    assert issubclass(asyncddp.AsyncDDPRuntimeWarning, RuntimeWarning)
+    assert issubclass(asyncddp.DeviceDroppedWarning, asyncddp.AsyncDDPRuntimeWarning)
+    assert asyncddp.AsyncDDPWarning.__module__ == "asyncddp"
+
+
+def test_every_warning_the_library_gives_is_an_asyncddp_warning() -> None:
+    # Its warnings point at the user's line, so filterwarnings(module="asyncddp") matched none
+    # of them, and some were plain UserWarnings: there was no filter for them all.
+    import ast
+    import importlib
+    from pathlib import Path
+
+    calls = 0
+    for path in sorted(Path(asyncddp.__file__).parent.glob("*.py")):
+        if path.stem == "__main__":  # importing it runs the command line
+            continue
+        module = importlib.import_module(
+            f"asyncddp.{path.stem}" if path.stem != "__init__" else "asyncddp"
+        )
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = ast.unparse(node.func)
+            if name not in ("warnings.warn", "warn_user"):
+                continue
+            calls += 1
+            given = [k.value for k in node.keywords if k.arg == "category"] + node.args[1:2]
+            if not given and name == "warn_user":
+                continue  # the default, AsyncDDPWarning
+            if name == "warnings.warn" and given and ast.unparse(given[0]) == "category":
+                continue  # warn_user's own call
+            assert given, f"{path.name}:{node.lineno}: warnings.warn() without a category"
+            category = getattr(module, ast.unparse(given[0]))
+            assert issubclass(category, asyncddp.AsyncDDPWarning), f"{path.name}:{node.lineno}"
+    assert calls > 10
+
+
+def test_one_filter_silences_the_library_s_warnings() -> None:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        asyncddp.resolve_devices("cpu:2")  # one worker: "'cpu:2' is the CPU, one worker"
+        assert [w.category for w in caught] == [asyncddp.AsyncDDPWarning]
+        caught.clear()
+        warnings.filterwarnings("ignore", category=asyncddp.AsyncDDPWarning)
+        asyncddp.resolve_devices("cpu:2")
+    assert caught == []
