@@ -251,6 +251,11 @@ class Comm:
 
     # -- set-up ------------------------------------------------------------------------------
 
+    @property
+    def device(self) -> torch.device:
+        """Where the collectives' tensors live: the process's GPU with NCCL, else the CPU."""
+        return self._wire
+
     def setup(self) -> None:
         """Learn every rank's devices, agree on a data seed, check the ranks agree (blocking)."""
         # Every rank's first exchange for this trainer. Its header holds the fixed fields alone
@@ -563,7 +568,11 @@ class Comm:
             raise self.lost(error) from error
         if sent is not values:
             values.copy_(sent.cpu())
-            torch.cuda.synchronize(self._wire)  # NCCL runs on streams of its own
+        # NCCL runs on streams of its own, and a work's wait() only holds this thread's current
+        # stream on each device for it: the workers read the sums on streams of their own, on
+        # every device a bucket is on (several GPUs in one process), not only the first.
+        for device in {t.device for t in (sent, *buckets) if t.is_cuda}:
+            torch.cuda.synchronize(device)
 
     def _issue(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
         """Start the all-reduces of ``tensors`` (in pieces of at most ``BUCKET_BYTES``), all at

@@ -51,10 +51,15 @@ ANNOUNCE_TIMEOUT = 60.0
 T = TypeVar("T")
 
 
-async def collective(fn: Callable[..., T], *args: Any) -> tuple[T, BaseException | None]:
+async def collective(
+    fn: Callable[..., T], *args: Any, device: torch.device
+) -> tuple[T, BaseException | None]:
     """``fn(*args)``, which talks to the other ranks, on a thread of its own, awaited to its end
     even if the caller is cancelled meanwhile (``anyio.to_thread`` gives up on a plain
-    ``task.cancel()`` and leaves the collective running).
+    ``task.cancel()`` and leaves the collective running). ``device`` is where the collectives'
+    tensors live (`Comm.device`): a GPU is made the thread's current device, as NCCL's object
+    collectives (``all_gather_object``, ``broadcast_object_list``) put their data on it; a new
+    thread's is ``cuda:0``, another rank's GPU on all but one process a machine.
 
     Returns ``fn``'s value and the asyncio cancellation that came meanwhile, which the caller
     must re-raise, as that very object; a cancel scope's (trio, anyio) is held off and comes
@@ -66,6 +71,8 @@ async def collective(fn: Callable[..., T], *args: Any) -> tuple[T, BaseException
 
     def target() -> None:
         try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
             outcome.append((True, fn(*args)))
         except BaseException as error:
             outcome.append((False, error))
@@ -157,7 +164,7 @@ class DistributedSteps(Steps):
         comm = Comm(self.devices, len(params), fingerprint)
         comm.layout = bucket_layout(params, len(self.devices))
         try:
-            _, cancellation = await collective(comm.setup)
+            _, cancellation = await collective(comm.setup, device=comm.device)
         except BaseException as error:
             lost = _comm.find(error, _comm.RankLost)
             if lost is None:
@@ -224,7 +231,7 @@ class DistributedSteps(Steps):
             return
         first = self._replicas[0].model
         tensors = [*first.parameters(), *first.buffers()]
-        _, cancellation = await collective(comm.broadcast_from_rank_0, tensors)
+        _, cancellation = await collective(comm.broadcast_from_rank_0, tensors, device=comm.device)
         if len(self._replicas) > 1:
             await self._run_all(self._jobs().load, {"model": first.state_dict()}, phase="setup")
         self._from_rank_0 = True
@@ -256,7 +263,9 @@ class DistributedSteps(Steps):
             return error
         failure = _comm.describe(error, comm.rank, self.devices[0], **where)
         with anyio.CancelScope(shield=True):  # this rank is raising already
-            failures, interrupted = await collective(comm.announce, failure, ANNOUNCE_TIMEOUT)
+            failures, interrupted = await collective(
+                comm.announce, failure, ANNOUNCE_TIMEOUT, device=comm.device
+            )
         if isinstance(interrupted, KeyboardInterrupt):  # trio's Ctrl-C, held off meanwhile
             interrupted.__context__ = error
             return interrupted
@@ -305,7 +314,7 @@ class DistributedSteps(Steps):
                 counted=sums.counted,
             )
 
-        result, cancellation = await collective(run)
+        result, cancellation = await collective(run, device=comm.device)
         self._agree_on_stop(result)
         if cancellation is not None:
             if last:
@@ -441,7 +450,8 @@ class DistributedSteps(Steps):
         def run() -> tuple[Global, float, bool]:
             return exchange_gradients(comm, local, used, buckets, buffers, exchange)
 
-        (result, coefficient, finite), self._cancelled_in_step = await collective(run)
+        outcome, self._cancelled_in_step = await collective(run, device=comm.device)
+        result, coefficient, finite = outcome
         self._settle(window, result)
         if result.items == 0:  # no rank had data: no step is taken or counted
             await self._abandon()

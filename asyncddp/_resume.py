@@ -170,7 +170,7 @@ class Resumable(Epochs):
             return await self._read_checkpoint(resume)
         state = await self._read_checkpoint(resume) if comm.rank == 0 else None
         shared: dict[str, Any] | None
-        shared, cancellation = await collective(comm.share, state)
+        shared, cancellation = await collective(comm.share, state, device=comm.device)
         if cancellation is not None:
             raise cancellation
         return shared

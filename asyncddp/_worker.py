@@ -217,6 +217,7 @@ class DeviceWorker:
         self.device = device
         self.threads = threads
         self.stream: torch.cuda.Stream | None = None
+        self._default_stream: torch.cuda.Stream | None = None
         # The last job that started here returned and left GPU work running on the stream
         # (leave_stream_running): read on the event loop, written here.
         self.stream_left_running = False
@@ -286,6 +287,12 @@ class DeviceWorker:
         _running.ctx = args[0] if args and isinstance(args[0], WorkerContext) else None
         _running.sync = True
         self.stream_left_running = False
+        if self.stream is not None and self._default_stream is not None:
+            # The job may read what other threads queued on the device's default stream (a
+            # batch the loader made on the GPU, trainer.model changed between calls), and this
+            # stream does not wait for that one by itself (torch's pool streams are
+            # non-blocking): it waits now, on the GPU, with no host sync.
+            self.stream.wait_stream(self._default_stream)
         try:
             if state.autocast_enabled:
                 with torch.autocast(self.device.type, dtype=state.autocast_dtype):
@@ -316,6 +323,7 @@ class DeviceWorker:
                 torch.cuda.set_device(self.device.torch_device)
                 self.stream = torch.cuda.Stream(self.device.torch_device)  # type: ignore[no-untyped-call]
                 torch.cuda.set_stream(self.stream)
+                self._default_stream = torch.cuda.default_stream(self.device.torch_device)
         except BaseException as exc:  # reported by every job, so that no step waits forever
             self._setup_error = exc
         get = self._queue.get

@@ -304,6 +304,60 @@ async def test_a_step_on_batches_already_on_the_gpu_waits_for_its_kernels() -> N
     assert_close(on_cpu(trainer.model), expected, 1e-5)
 
 
+#: About 50 ms of a GPU's default stream (torch.cuda._sleep spins for that many cycles).
+LATE_CYCLES = 100_000_000
+
+
+class MadeLateOnTheGpu:
+    """Batches the loader thread makes on the GPU, each written behind a long kernel of the
+    default stream: the host has them long before the GPU has written them."""
+
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Any:
+        for inputs, targets in self.batches:
+            inputs, targets = inputs.to(GPU), targets.to(GPU)
+            torch.cuda.synchronize()
+            late_inputs, late_targets = torch.empty_like(inputs), torch.empty_like(targets)
+            torch.cuda._sleep(LATE_CYCLES)
+            late_inputs.copy_(inputs)
+            late_targets.copy_(targets)
+            yield late_inputs, late_targets
+
+
+async def test_a_batch_the_loader_makes_on_the_gpu_is_read_once_written() -> None:
+    # The worker's stream does not wait for the default stream by itself: the step read the
+    # batch's memory before the loader thread's copy into it had run.
+    batches = make_batches([32] * 4)
+    expected = plain_loop(batches, 2, GPU)
+    trainer = Trainer(make_model(), SGD, loss_step, devices=GPU, progress_bar=False)
+    await trainer.fit(MadeLateOnTheGpu(batches), epochs=2)
+    assert_close(on_cpu(trainer.model), expected, 1e-5)
+
+
+async def test_the_model_changed_on_the_gpu_between_fits_is_what_the_next_fit_trains() -> None:
+    # A change queued on the default stream (here behind a long kernel) was not waited for by
+    # the worker's stream: the next fit's first step read the weights from before it.
+    batches = make_batches([32] * 4)
+    model = make_model().to(GPU)
+    optimizer = SGD(model.parameters())
+    trainer = Trainer(make_model(), SGD, loss_step, devices=GPU, progress_bar=False)
+    await trainer.fit(batches, epochs=1)
+    for epoch in range(2):
+        if epoch:
+            torch.cuda._sleep(LATE_CYCLES)
+            with torch.no_grad():
+                for parameter in (*model.parameters(), *trainer.model.parameters()):
+                    parameter.mul_(0.5)
+        for inputs, targets in batches:
+            optimizer.zero_grad()
+            loss_step(model, (inputs.to(GPU), targets.to(GPU))).backward()
+            optimizer.step()
+    await trainer.fit(batches, epochs=2)
+    assert_close(on_cpu(trainer.model), on_cpu(model), 1e-5)
+
+
 async def test_a_non_finite_loss_on_a_gpu_raises_before_its_step_is_taken(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
