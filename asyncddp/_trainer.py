@@ -284,28 +284,7 @@ class Trainer(Resumable):
                 "optimizer, for example functools.partial(torch.optim.lr_scheduler.StepLR, "
                 f"step_size=10), not {_shown(lr_scheduler)}"
             )
-        accumulate_grad_batches = check_int("accumulate_grad_batches", accumulate_grad_batches, 1)
-        gradient_clip_val = check_positive("gradient_clip_val", gradient_clip_val)
-        _check(
-            lr_scheduler_interval in ("epoch", "step"),
-            f"lr_scheduler_interval must be 'epoch' or 'step', not {lr_scheduler_interval!r}",
-        )
-        _check(
-            on_failure in ("raise", "retry", "drop"),
-            f"on_failure must be 'raise', 'retry' or 'drop', not {on_failure!r}",
-        )
-        max_retries = check_int("max_retries", max_retries, 0)
-        prefetch = check_int("prefetch", prefetch, 0)
-        step_timeout = check_seconds("step_timeout", step_timeout)
-        threads_per_worker = check_int(
-            "threads_per_worker", threads_per_worker, 1, MAX_THREADS, none=True
-        )
-        split_batches = check_bool("split_batches", split_batches)
-        atomic_steps = check_bool("atomic_steps", atomic_steps)
-        check_finite = check_bool("check_finite", check_finite)
-        progress_bar = check_bool("progress_bar", progress_bar, none=True)
         pin_memory = check_bool("pin_memory", pin_memory, none=True)
-        check_path("checkpoint_dir", checkpoint_dir)
         self.devices: tuple[Device, ...] = resolve_devices(_rank_devices(devices))
         kinds = sorted({device.type for device in self.devices})
         if len(kinds) > 1:
@@ -318,7 +297,7 @@ class Trainer(Resumable):
             )
         self._autocast = autocast_dtype(precision)
         self._scaler = LossScaler() if self._autocast is torch.float16 else None
-        self.precision = precision
+        self._precision = precision
         self._source = model
         self._sparse_grads = has_sparse_gradients(model)
         self._optimizer_factory = optimizer
@@ -333,9 +312,7 @@ class Trainer(Resumable):
         self.on_failure = on_failure
         self.max_retries = max_retries
         self.atomic_steps = atomic_steps
-        self.checkpoint_dir = (
-            Path(checkpoint_dir).expanduser() if checkpoint_dir is not None else None
-        )
+        self.checkpoint_dir = checkpoint_dir  # type: ignore[assignment]  # a Path once checked
         self.progress_bar = progress_bar
         on_gpus = any(d.is_cuda for d in self.devices)
         if pin_memory and not on_gpus:
@@ -352,6 +329,7 @@ class Trainer(Resumable):
         self.prefetch = prefetch
         self.threads_per_worker = threads_per_worker
         self.check_finite = check_finite
+        self._check_options()
         #: Epochs completed so far; the next epoch's number.
         self.epoch = 0
         #: Optimizer steps taken so far.
@@ -528,6 +506,7 @@ class Trainer(Resumable):
         """
         await self._wait_for_checkpoint_session()
         self._refuse_if_running("fit()")  # before the try: a running fit's event streams stay open
+        self._check_options()
         self._stop_reason = None
         self._stop_agreed = False
         history: list[EpochRecord] = []
@@ -619,6 +598,7 @@ class Trainer(Resumable):
         """
         await self._wait_for_checkpoint_session()
         self._refuse_if_running("validate()")  # before the try: no failure to announce
+        self._check_options()
         try:
             await self._join()
             _check_data(data, "data", 1)
@@ -884,6 +864,50 @@ class Trainer(Resumable):
         except WorkerFailedError as error:
             self._publish_failure(error, "raise")
             raise
+
+    @property
+    def precision(self) -> str:
+        """The precision the Trainer was built with (``"32"``, ``"bf16"``, ``"fp16"``...)."""
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        raise AttributeError(
+            f"precision is fixed as the Trainer is built (autocast and the loss scaler are set "
+            f"up then): make a new Trainer(..., precision={value!r}) and give it this one's "
+            "state, new.load_state_dict(trainer.state_dict())"
+        )
+
+    def _check_options(self) -> None:
+        """Check the options a user may change between calls by assigning them on the trainer
+        (``trainer.checkpoint_dir = None``), as it is built and again as each call starts, and
+        keep each as it is used (an ``int`` for NumPy's, a ``Path`` with ``~`` expanded)."""
+        self.accumulate_grad_batches = check_int(
+            "accumulate_grad_batches", self.accumulate_grad_batches, 1
+        )
+        self.gradient_clip_val = check_positive("gradient_clip_val", self.gradient_clip_val)
+        _check(
+            self.lr_scheduler_interval in ("epoch", "step"),
+            f"lr_scheduler_interval must be 'epoch' or 'step', not {self.lr_scheduler_interval!r}",
+        )
+        _check(
+            self.on_failure in ("raise", "retry", "drop"),
+            f"on_failure must be 'raise', 'retry' or 'drop', not {self.on_failure!r}",
+        )
+        self.max_retries = check_int("max_retries", self.max_retries, 0)
+        self.prefetch = check_int("prefetch", self.prefetch, 0)
+        self.step_timeout = check_seconds("step_timeout", self.step_timeout)
+        self.threads_per_worker = check_int(
+            "threads_per_worker", self.threads_per_worker, 1, MAX_THREADS, none=True
+        )
+        self.split_batches = check_bool("split_batches", self.split_batches)
+        self.atomic_steps = check_bool("atomic_steps", self.atomic_steps)
+        self.check_finite = check_bool("check_finite", self.check_finite)
+        self.progress_bar = check_bool("progress_bar", self.progress_bar, none=True)
+        self.pin_memory = check_bool("pin_memory", self.pin_memory)
+        check_path("checkpoint_dir", self.checkpoint_dir)
+        if self.checkpoint_dir is not None:
+            self.checkpoint_dir = Path(self.checkpoint_dir).expanduser()
 
     def _refuse_if_running(self, call: str) -> None:
         """Refuse ``call`` (``"fit()"``, say) while a fit, validation or checkpoint runs."""

@@ -3913,3 +3913,39 @@ async def test_fp16_accumulation_weighs_a_small_first_batch_by_the_last_steps_to
     assert result.global_step == 6
     assert trainer._scaler is not None
     assert trainer._scaler.scale >= 2.0**15  # at most the first step skipped
+
+
+async def test_options_changed_between_calls_are_checked_as_the_next_call_starts(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # accumulate_grad_batches = 0 went unchecked into the epoch: ZeroDivisionError.
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    for name, value, message in [
+        ("accumulate_grad_batches", 0, "accumulate_grad_batches must be an int >= 1, got 0"),
+        ("on_failure", "ignore", "on_failure must be 'raise', 'retry' or 'drop', not 'ignore'"),
+        ("step_timeout", 0, "step_timeout"),
+        ("prefetch", 1.5, "prefetch"),
+    ]:
+        good = getattr(trainer, name)
+        setattr(trainer, name, value)
+        with pytest.raises(ConfigurationError, match=re.escape(message)):
+            await trainer.fit(make_batches([4, 4]), epochs=1)
+        with pytest.raises(ConfigurationError, match=re.escape(message)):
+            await trainer.validate(make_batches([4]))
+        setattr(trainer, name, good)
+    assert trainer.global_step == 0
+    monkeypatch.setenv("HOME", str(tmp_path))
+    trainer.checkpoint_dir = "~/checkpoints"  # type: ignore[assignment]
+    await trainer.fit(make_batches([4, 4]), epochs=1)
+    assert trainer.checkpoint_dir == tmp_path / "checkpoints"
+    assert [p.name for p in trainer.checkpoint_dir.iterdir()] == ["epoch0001-step000002.ckpt"]
+
+
+def test_precision_cannot_be_changed_on_a_built_trainer() -> None:
+    # It was a label only: autocast and the loss scaler are set up as the Trainer is built.
+    trainer = Trainer(make_model(), SGD, loss_step, progress_bar=False)
+    with pytest.raises(
+        AttributeError, match=r"precision is fixed .* Trainer\(\.\.\., precision='bf16'\)"
+    ):
+        trainer.precision = "bf16"
+    assert trainer.precision == "32"
