@@ -49,8 +49,9 @@ class Device:
         return self.name
 
 
+# A union, not a string: a user's own annotations with it resolve (typing.get_type_hints).
 DeviceSpec: TypeAlias = (
-    "str | int | torch.device | Device | Iterable[str | int | torch.device | Device]"
+    str | int | torch.device | Device | Iterable[str | int | torch.device | Device]
 )
 """What ``devices=`` takes (`Trainer`, `StepScheduler`): a string (``"auto"``, ``"cpu"``,
 ``"cuda:1"``), an int (that many devices), a ``torch.device``, a `Device`, or a sequence of these

@@ -15,6 +15,7 @@ keeps working::
     ├── SchedulerClosedError (RuntimeError) a scheduler used outside ``async with``
     └── WorkerFailedError                   a device's job raised
         ├── WorkerTimeoutError              a device's job did not finish in time
+        ├── JobQueuedError                  a shielded job queued behind one that hangs
         └── NonFiniteLossError              a device's loss was NaN or infinite
 
 A `WorkerFailedError` keeps the original exception object as ``__cause__`` (type,

@@ -21,11 +21,13 @@ class Progress:
     """How many items have been processed, in all and per device.
 
     Attributes:
-        items_processed: Items processed so far, each counted once. Only ever grows.
+        items_processed: Items processed so far, each counted once. Only ever grows between
+            two resets: a `Trainer` counts each epoch (and each validation) from 0, and
+            `StepScheduler.reset_progress` starts the count again.
         items_total: Items expected in all, or ``None`` when unknown.
         device_items: Items processed so far by each device, in device order; they sum to
             ``items_processed``.
-        steps: Steps completed so far.
+        steps: Steps completed since the last reset.
     """
 
     items_processed: int

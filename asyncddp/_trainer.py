@@ -411,9 +411,7 @@ class Trainer(Resumable):
         trainer holds its streams weakly: one its consumer let go of (a loop left with
         ``break``) is not kept; ``async with trainer.events() as stream:`` closes it on exit.
         """
-        if maxlen < 1:
-            raise ConfigurationError(f"maxlen must be >= 1, got {maxlen}")
-        return self._hub.subscribe(maxlen)
+        return self._hub.subscribe(check_int("maxlen", maxlen, 1))
 
     def _stopping(self) -> bool:
         return self._should_stop()
@@ -595,6 +593,22 @@ class Trainer(Resumable):
         Runs ``valid_step`` (by default ``step``) under ``torch.no_grad()`` with the models in
         eval mode, on every device's worker. Cancelling it stops at once and leaves the models
         as they were.
+
+        Args:
+            data: The validation batches, as ``fit``'s ``valid_data``: a ``DataLoader``, a list,
+                any iterable read once. Across processes each rank validates its part.
+
+        Returns:
+            ``"loss"`` and each metric the step returns, each the mean over every item (over
+            every rank's, across processes). The items counted are in the `ValidationEnded`
+            event.
+
+        Raises:
+            WorkerFailedError: A device's step raised (its cause); the models are left in the
+                modes they had.
+            DataError: ``data`` holds no batch, or a batch that cannot be split.
+            ConfigurationError: Another call (``fit``, ``validate``) is running on this
+                trainer, or an option assigned on it cannot work.
         """
         await self._wait_for_checkpoint_session()
         self._refuse_if_running("validate()")  # before the try: no failure to announce

@@ -3949,3 +3949,22 @@ def test_precision_cannot_be_changed_on_a_built_trainer() -> None:
     ):
         trainer.precision = "bf16"
     assert trainer.precision == "32"
+
+
+def test_device_spec_is_a_type_a_user_s_annotations_can_use() -> None:
+    # It was a string: typing.get_type_hints() of a function annotated with it raised
+    # NameError ('torch' is not defined).
+    import typing
+
+    def make(devices: asyncddp.DeviceSpec = "auto") -> None: ...
+
+    hints = typing.get_type_hints(make)
+    assert torch.device in typing.get_args(hints["devices"])
+
+
+def test_an_event_stream_s_maxlen_must_be_a_count() -> None:
+    # "5" raised TypeError: '<' not supported between instances of 'str' and 'int'.
+    trainer = Trainer(make_model(), SGD, loss_step, progress_bar=False)
+    for value in ("5", 0, 2.5):
+        with pytest.raises(ConfigurationError, match=r"^maxlen must be an int >= 1, got"):
+            trainer.events(value)  # type: ignore[arg-type]
