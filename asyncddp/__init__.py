@@ -55,6 +55,9 @@ from ._exceptions import WorkerFailedError as WorkerFailedError
 from ._exceptions import WorkerTimeoutError as WorkerTimeoutError
 from ._progress import Progress as Progress
 from ._progress import ProgressTracker as ProgressTracker
+from ._replica import OptimizerFactory as OptimizerFactory
+from ._replica import SchedulerFactory as SchedulerFactory
+from ._replica import StepFunction as StepFunction
 from ._scheduler import JobQueuedError as JobQueuedError
 from ._scheduler import StepResult as StepResult
 from ._scheduler import StepScheduler as StepScheduler
@@ -90,11 +93,14 @@ __all__ = [
     "FitStarted",
     "JobQueuedError",
     "NonFiniteLossError",
+    "OptimizerFactory",
     "Progress",
     "ProgressTracker",
     "SchedulerClosedError",
+    "SchedulerFactory",
     "ShardError",
     "StepEnded",
+    "StepFunction",
     "StepOutputError",
     "StepResult",
     "StepRetried",

@@ -13,7 +13,7 @@ import numbers
 import operator
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn, TypeAlias, cast
 
 import numpy as np
 import torch
@@ -41,11 +41,21 @@ __all__ = [
     "move_to",
 ]
 
-#: ``step(model, batch)`` returns the loss, or a mapping with ``"loss"``, optionally ``"items"``
-#: (how many items the loss is the mean over) and further metrics.
-StepFunction = Callable[[nn.Module, Any], "torch.Tensor | Mapping[str, Any]"]
-OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
-SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+StepFunction: TypeAlias = Callable[[nn.Module, Any], torch.Tensor | Mapping[str, Any]]
+"""What `Trainer` takes as ``step`` (and ``valid_step``): ``step(model, batch)``, called with a
+device's replica and its share of the batch, returns the loss (a scalar tensor, the mean over
+the share), or a mapping with ``"loss"``, optionally ``"items"`` (how many items the loss is the
+mean over) and further metrics."""
+
+OptimizerFactory: TypeAlias = Callable[[Any], torch.optim.Optimizer]
+"""What `Trainer` takes as ``optimizer``: called once per replica with the list of that
+replica's trainable parameters, it returns the optimizer that steps them, as
+``functools.partial(torch.optim.SGD, lr=0.1)`` does."""
+
+SchedulerFactory: TypeAlias = Callable[[torch.optim.Optimizer], Any]
+"""What `Trainer` takes as ``lr_scheduler``: called once per replica with its optimizer, it
+returns the LR scheduler of that optimizer, as
+``functools.partial(torch.optim.lr_scheduler.StepLR, step_size=10)`` does."""
 
 
 class Replica:
