@@ -47,10 +47,12 @@ call and takes its verdict.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
 import pickle
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -206,8 +208,42 @@ def describe(error: BaseException, rank: int, device: Device, **where: Any) -> F
     )
 
 
+_GROUP_LOCK = threading.Lock()
+#: asyncddp's own group over every rank, and the default group it was made in (see `own_group`).
+_GROUP: tuple[Any, Any] | None = None
+
+
+def own_group(*, make: bool, device: torch.device) -> Any:
+    """asyncddp's own process group: every rank of the default group, made once a process.
+
+    asyncddp's collectives run in a thread of their own while the event loop runs the user's
+    code, which may call ``torch.distributed`` too (an event consumer that all-reduces a
+    figure, a ``dist.barrier()`` around a file write). On one group their collectives would
+    meet each other's in whatever order each rank issued them: gloo would sum a header with
+    the user's tensor, or abort on their sizes. On a group of their own they never meet.
+
+    ``make``: make it if this process has none for the default group yet (a collective call
+    on every rank, in the same order, as ``dist.new_group`` is); else None until then, which
+    stands for the default group. It takes the default group's timeout. A new default group
+    (``destroy_process_group`` and a new ``init``) gets a new one.
+    """
+    global _GROUP
+    world = dist.group.WORLD
+    with _GROUP_LOCK:
+        if _GROUP is not None and _GROUP[0] is world:
+            return _GROUP[1]
+        if not make:
+            return None
+        timeout = None
+        with contextlib.suppress(Exception):  # torch keeps no public getter for it
+            timeout = world._get_backend(device).options._timeout  # type: ignore[union-attr]
+        _GROUP = (world, dist.new_group(timeout=timeout))
+        return _GROUP[1]
+
+
 class Comm:
-    """This process's view of the default process group, for one trainer.
+    """This process's view of the process group, for one trainer (whose collectives run on
+    asyncddp's own group, `own_group`).
 
     Args:
         devices: This rank's devices.
@@ -248,6 +284,9 @@ class Comm:
         # (the parameters, the packing), or the first collective would fail in gloo, not here.
         self._agreed = False
         self._packed = False  # see packed(): decided once the ranks agreed
+        # The group of asyncddp's collectives (see own_group): None, the default group, for a
+        # process's first trainer until its set-up's first header (it is made then).
+        self._group = own_group(make=False, device=self._wire)
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -263,12 +302,18 @@ class Comm:
         # earlier, sends a longer header, which gloo refuses by aborting a process (a trainer
         # rebuilt on one rank only; see docs/distributed.md's limits).
         self.header(SETUP)
+        # Made once every rank is here: ranks waiting in new_group for one that died before it
+        # would wait out the process group's timeout, where a broken header fails at once.
+        try:
+            self._group = own_group(make=True, device=self._wire)
+        except RuntimeError as error:
+            raise self.lost(error) from error
         packable = self._packable()
         fingerprint = {**self._fingerprint, "packed": str(packable)}
         mine = (self.devices, fingerprint, int(torch.randint(0, 2**62, ()).item()))
         gathered: list[Any] = [None] * self.world_size
         try:
-            dist.all_gather_object(gathered, mine)
+            dist.all_gather_object(gathered, mine, group=self._group)
         except RuntimeError as error:
             raise self.lost(error) from error
         self.rank_devices = [tuple(devices) for devices, _, _ in gathered]
@@ -443,7 +488,7 @@ class Comm:
         this exchange."""
         gathered: list[Any] = [None] * self.world_size
         try:
-            dist.all_gather_object(gathered, new)
+            dist.all_gather_object(gathered, new, group=self._group)
         except RuntimeError as error:
             raise self.lost(error) from error
         added = sorted({name for names in gathered for name in names} - set(self.names))
@@ -461,7 +506,7 @@ class Comm:
         self.header(SETUP)  # if rank 0 failed to make it, every rank hears of it here
         box = [value]
         try:
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=self._group)
         except RuntimeError as error:
             raise self.lost(error) from error
         return box[0]
@@ -489,7 +534,7 @@ class Comm:
         try:
             for group in by_dtype.values():
                 flat = torch.cat([buffer.detach().reshape(-1).to(self._wire) for buffer in group])
-                dist.broadcast(flat, src=0)
+                dist.broadcast(flat, src=0, group=self._group)
                 parts = torch.split(flat, [buffer.numel() for buffer in group])
                 with torch.no_grad():
                     for buffer, part in zip(group, parts, strict=True):
@@ -538,7 +583,7 @@ class Comm:
     def _gather_failures(self, mine: Failure | None) -> list[Failure]:
         gathered: list[Any] = [None] * self.world_size
         try:
-            dist.all_gather_object(gathered, mine)
+            dist.all_gather_object(gathered, mine, group=self._group)
         except RuntimeError as error:
             raise self.lost(error) from error
         return [f for f in gathered if isinstance(f, Failure)]
@@ -582,7 +627,7 @@ class Comm:
             per = max(1, BUCKET_BYTES // tensor.element_size())
             pieces = [tensor] if tensor.numel() <= per else torch.split(tensor, per)
             for piece in pieces:
-                works.append(dist.all_reduce(piece, async_op=True))
+                works.append(dist.all_reduce(piece, group=self._group, async_op=True))
         return works
 
     def _wait(self, work: Any) -> None:

@@ -726,6 +726,31 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
             report["error"] = None
         except asyncddp.AsyncDDPError as error:
             report["error"] = str(error)
+    elif scenario == "user-collectives":  # the user's own collectives during fit
+        # An event consumer sums a figure over the ranks with torch.distributed on the default
+        # group, in the event loop, while asyncddp's collectives run in a thread of their own.
+        import torch.distributed as dist
+
+        t = trainer(1)
+
+        async def reduce_each_step(stream: asyncddp.EventStream) -> list[float]:
+            sums = []
+            async for event in stream:
+                if isinstance(event, asyncddp.StepEnded):
+                    # Some async work of its own first (a log written, say), which takes each
+                    # rank its own time: asyncddp's next exchange may start meanwhile.
+                    await asyncio.sleep(0.02 * rank)
+                    figure = torch.tensor([float(rank + 1)])
+                    dist.all_reduce(figure)
+                    sums.append(figure.item())
+            return sums
+
+        watcher = asyncio.create_task(reduce_each_step(t.events()))
+        result = await t.fit(batches(), epochs=2, valid_data=batches(5, 10))
+        report["sums"] = await watcher
+        dist.barrier()
+        report["global_step"] = result.global_step
+        report["params"] = [p.detach().clone() for p in t.model.parameters()]
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     return report

@@ -605,6 +605,20 @@ def test_stop_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> N
     assert_equal_tensors(first["params"], second["params"])
 
 
+@pytest.mark.parametrize("exchange", ["packed", "apart"])
+def test_the_user_s_own_collectives_during_fit_do_not_meet_asyncddp_s(
+    tmp_path: Path, exchange: str
+) -> None:
+    # Each rank's event consumer all-reduces a figure on the default group at every step, in
+    # the event loop, while asyncddp's exchanges run in its collective thread: asyncddp keeps
+    # a process group of its own, so neither meets the other's collectives (on one group they
+    # did: gloo summed a header with the user's tensor, or aborted on their sizes).
+    first, second = both_reports("user-collectives", tmp_path, exchange=exchange)
+    assert first["global_step"] == second["global_step"] == 8  # 2 epochs of 7 batches on 2
+    assert first["sums"] == second["sums"] == [3.0] * 8  # 1 + 2, at every step, on each rank
+    assert_equal_tensors(first["params"], second["params"])
+
+
 def test_rank_0_checkpoints_and_every_rank_resumes(tmp_path: Path) -> None:
     shared = tmp_path / "run"
     launch("checkpoint-first", shared)
