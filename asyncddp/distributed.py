@@ -266,7 +266,9 @@ def _backend(asked: str | None) -> str:
         # its own would leave the others waiting at the first collective: one with too few
         # GPUs is refused below, on every process of it.
         asked = "nccl"
-    if asked not in ("gloo", "nccl"):
+    if isinstance(asked, str) and asked.lower() in ("gloo", "nccl"):
+        asked = asked.lower()  # as torch takes them ("GLOO", say)
+    else:
         raise ConfigurationError(f"backend must be 'gloo' or 'nccl', got {asked!r}")
     if asked == "nccl" and gpus == 0:
         raise ConfigurationError(

@@ -939,6 +939,7 @@ def test_the_default_backend_is_nccl_only_with_a_gpu_for_every_local_process(
     torchrun_env(monkeypatch, gpus, env)
     assert asyncddp.distributed._backend(None) == expected
     assert asyncddp.distributed._backend("gloo") == "gloo"
+    assert asyncddp.distributed._backend("GLOO") == "gloo"  # torch takes any case
 
 
 @pytest.mark.parametrize("rank", [0, 1])
