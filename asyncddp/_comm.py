@@ -50,7 +50,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import math
+import os
 import pickle
 import threading
 import time
@@ -97,6 +99,13 @@ ALIVE_WAIT = 5.0
 #: With 3 or more ranks, how long a collective waits before its rank looks in the store for a
 #: roll call (see `Comm.lost`), and again after each look.
 ROLL_CALL_POLL = datetime.timedelta(seconds=1.0)
+
+#: How long the first exchange of a call (fit, validate) waits before its rank looks in the
+#: store for ranks that have not made that call (see `Comm.begin_call`), and says so.
+NOT_IN_CALL_WAIT = 10.0
+
+_log = logging.getLogger("asyncddp")
+_setups = 0  # trainers' set-ups begun in this process: the first call of each (see Comm)
 
 
 @dataclass(frozen=True)
@@ -249,10 +258,17 @@ class Comm:
         devices: This rank's devices.
         params: How many trainable parameters the model has (the header's ``used`` part).
         fingerprint: What must be the same on every rank (model shapes, options); checked once.
+        call: The call that sets it up (``"fit()"``, ``"validate()"``), for `begin_call`'s
+            warning.
     """
 
     def __init__(
-        self, devices: Sequence[Device], params: int, fingerprint: Mapping[str, str]
+        self,
+        devices: Sequence[Device],
+        params: int,
+        fingerprint: Mapping[str, str],
+        *,
+        call: str = "fit() or validate()",
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigurationError("no torch.distributed process group is initialized")
@@ -287,6 +303,14 @@ class Comm:
         # The group of asyncddp's collectives (see own_group): None, the default group, for a
         # process's first trainer until its set-up's first header (it is made then).
         self._group = own_group(make=False, device=self._wire)
+        # Which call on the trainer this rank is in, for the others to see (begin_call).
+        global _setups
+        _setups += 1
+        self._call = call
+        self._scope, self._calls = "setup", _setups  # the set-up's first call: trainers set up
+        self._first_exchange = True  # whether the call's first exchange is still to come
+        self._note_lock = threading.Lock()
+        self._note_soon()
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -343,6 +367,80 @@ class Comm:
             )
         self._agreed = True
         self._packed = packable  # every rank's, as the fingerprints agree
+        self._scope, self._calls = str(self.data_seed), 1  # this trainer's calls, from here
+        self._note()
+
+    # -- which call each rank is in ------------------------------------------------------------
+
+    def begin_call(self, name: str) -> None:
+        """Note in the store that this rank makes its next call (``name``: ``"fit()"``,
+        ``"validate()"``) on this trainer.
+
+        Every rank must make the same calls. A rank that makes one the others do not (validate
+        on rank 0 alone, as a DDP script evaluates) waits in its first exchange for the process
+        group's timeout (10 to 30 minutes): after `NOT_IN_CALL_WAIT` it looks in the store for
+        ranks that have not made the call and logs a warning that names them and says what to
+        do. Only says so: a collective cannot be left while it runs (see `_wait`).
+        """
+        self._call = name
+        self._calls += 1
+        self._first_exchange = True
+        self._note_soon()
+
+    def _note_soon(self) -> None:
+        # From a thread: a store that is gone with rank 0 must not hold the event loop.
+        threading.Thread(target=self._note, name="asyncddp-note-call", daemon=True).start()
+
+    def _call_key(self, rank: int) -> str:
+        run = "/".join(
+            os.environ.get(n, "") for n in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+        )
+        return f"asyncddp/calls/{run}/{self._scope}/{rank}"
+
+    def _note(self) -> None:
+        with self._note_lock, contextlib.suppress(Exception):  # a hint only: never fails a call
+            store = dist.distributed_c10d._get_default_store()
+            store.set(self._call_key(self.rank), str(self._calls))
+
+    def _watch_call(self) -> threading.Timer | None:
+        """At the first exchange of a call: a timer that looks for ranks not in it (see
+        `begin_call`), to cancel once the exchange ends."""
+        if not self._first_exchange:
+            return None
+        self._first_exchange = False
+        timer = threading.Timer(NOT_IN_CALL_WAIT, self._look_for_absent, (self._scope, self._calls))
+        timer.daemon = True
+        timer.name = "asyncddp-watch-call"
+        timer.start()
+        return timer
+
+    def _look_for_absent(self, scope: str, calls: int) -> None:
+        if scope != self._scope or calls != self._calls:
+            return  # the call ended meanwhile
+        behind = []
+        with contextlib.suppress(Exception):
+            store = dist.distributed_c10d._get_default_store()
+            for rank in range(self.world_size):
+                key = self._call_key(rank)
+                made = int(store.get(key)) if store.check([key]) else 0
+                if made < calls:
+                    behind.append(rank)
+        if not behind:
+            return  # every rank is in this call: one is slow (a long step, its data)
+        ranks = ", ".join(str(r) for r in behind)
+        what = "this trainer's first call" if scope == "setup" else f"call {calls} on this trainer"
+        _log.warning(
+            "rank %d has waited %.0f s in %s for rank(s) %s, which have not made it (%s): "
+            "fit() and validate() are calls that every rank makes, in the same order, and "
+            "this one waits for them up to the process group's timeout. To evaluate on one "
+            "rank alone, run trainer.model in a loop of your own there (see the docs' "
+            "distributed page, 'Every rank makes every call').",
+            self.rank,
+            NOT_IN_CALL_WAIT,
+            self._call,
+            ranks,
+            what,
+        )
 
     # -- the header --------------------------------------------------------------------------
 
@@ -601,6 +699,7 @@ class Comm:
         `header`).
         """
         sent = values.to(self._wire)  # the tensor itself when it is there already (gloo)
+        timer = self._watch_call()  # the call's first exchange: are the others in the call?
         try:
             works = self._issue([sent, *buckets])
             try:
@@ -611,6 +710,9 @@ class Comm:
                     self._wait(work)
         except RuntimeError as error:
             raise self.lost(error) from error
+        finally:
+            if timer is not None:
+                timer.cancel()
         if sent is not values:
             values.copy_(sent.cpu())
         # NCCL runs on streams of its own, and a work's wait() only holds this thread's current
@@ -747,14 +849,25 @@ class Comm:
             device=device,
             rank=rank,
             error_type="ProcessLost",
-            error_message=(
-                f"rank {rank} stopped answering (its process died or its host is unreachable): "
-                f"{lost.reason}"
-            ),
+            error_message=_lost_message(rank, lost.reason),
             **where,
         )
         error.__cause__ = lost
         return error
+
+
+def _lost_message(rank: int, reason: str) -> str:
+    """What a lost rank's error says: why a rank may stop answering, ``reason`` torch's."""
+    if "timed out" in reason.lower() or "timeout" in reason.lower():
+        return (
+            f"rank {rank} did not answer within the process group's timeout (it hung, or it "
+            "is not making this call: every rank makes every fit() and validate(), in the "
+            f"same order): {reason}"
+        )
+    return (
+        f"rank {rank} stopped answering (its process ended: it died, or finished without "
+        f"making this call, which every rank makes; or its host is unreachable): {reason}"
+    )
 
 
 def find(error: BaseException, kind: type[BaseException]) -> Any:

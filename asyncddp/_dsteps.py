@@ -130,10 +130,12 @@ class DistributedSteps(Steps):
 
     # -- joining -------------------------------------------------------------------------------
 
-    async def _join(self) -> None:
-        """Join the process group's training, once, if this process is in one."""
+    async def _join(self, call: str) -> None:
+        """Join the process group's training, once, if this process is in one; ``call`` is
+        the call that joins or comes after (``"fit()"``, ``"validate()"``)."""
         if self._comm is not None:
             self._comm.announced = False  # a failure of an earlier call was announced then
+            self._comm.begin_call(call)
             return
         if not distributed.is_initialized():
             world = os.environ.get("WORLD_SIZE", "1")
@@ -161,7 +163,7 @@ class DistributedSteps(Steps):
             "frozen": str(frozen),
             **self._optimizer_settings(model),
         }
-        comm = Comm(self.devices, len(params), fingerprint)
+        comm = Comm(self.devices, len(params), fingerprint, call=call)
         comm.layout = bucket_layout(params, len(self.devices))
         try:
             _, cancellation = await collective(comm.setup, device=comm.device)

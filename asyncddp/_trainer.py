@@ -512,7 +512,7 @@ class Trainer(Resumable):
         try:
             if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
                 raise ConfigurationError(f"epochs must be an int >= 1, got {epochs!r}")
-            await self._join()
+            await self._join("fit()")
             state = await self._resume_state(resume) if resume is not None else None
             # A checkpoint may have begun while joining or reading: it snapshots the position,
             # so the state is taken once it has ended (nothing awaits from here to the session).
@@ -614,7 +614,7 @@ class Trainer(Resumable):
         self._refuse_if_running("validate()")  # before the try: no failure to announce
         self._check_options()
         try:
-            await self._join()
+            await self._join("validate()")
             _check_data(data, "data", 1)
             await self._wait_for_checkpoint_session()  # one may have begun while joining
             async with self._session("validate"):

@@ -751,6 +751,40 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         dist.barrier()
         report["global_step"] = result.global_step
         report["params"] = [p.detach().clone() for p in t.model.parameters()]
+    elif scenario == "not-in-call":  # rank 1 makes its calls late, or is slow in one
+        import logging
+
+        _comm.NOT_IN_CALL_WAIT = 1.0
+        records: list[str] = []
+
+        class Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                records.append(record.getMessage())
+
+        logging.getLogger("asyncddp").addHandler(Keep())
+        t = trainer(1)
+        seen = []
+
+        async def late(call: Any) -> Any:  # rank 1 makes the call 2.5 s after rank 0
+            if rank == 1:
+                await asyncio.sleep(2.5)
+            return await call
+
+        await late(t.fit(batches(), epochs=1))  # the first call: the trainer's set-up
+        seen.append(len(records))
+        await late(t.validate(batches(5, 10)))  # validate on rank 0 alone, for 2.5 s
+        seen.append(len(records))
+
+        class Slow:  # in the call, but its first batch takes 2.5 s on rank 1
+            def __iter__(self) -> Any:
+                if rank == 1:
+                    time.sleep(2.5)
+                return iter(batches(5, 10))
+
+        await t.validate(Slow())
+        seen.append(len(records))
+        report["records"] = records
+        report["seen"] = seen
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     return report
