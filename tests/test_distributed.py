@@ -1433,3 +1433,16 @@ def test_settings_compared_across_ranks_leave_out_object_addresses() -> None:
         "tags": ["a", "b"],
         "lrs": (0.5, [["c"]]),
     }
+
+
+def test_a_lost_rank_s_error_says_why_a_rank_may_stop_answering() -> None:
+    # A rank that finished its script without making the call ends its process too: the
+    # error does not say it died. A timeout is a rank that hangs or is not in the call.
+    from asyncddp import _comm
+
+    reset = _comm._lost_message(1, "Read error: Connection reset by peer")
+    assert reset.startswith("rank 1 stopped answering")
+    assert "finished without making this call" in reset
+    timeout = _comm._lost_message(1, "Timed out waiting 1800000ms for recv operation")
+    assert "did not answer within the process group's timeout" in timeout
+    assert "not making this call" in timeout
