@@ -430,11 +430,12 @@ class Comm:
         ranks = ", ".join(str(r) for r in behind)
         what = "this trainer's first call" if scope == "setup" else f"call {calls} on this trainer"
         _log.warning(
-            "rank %d has waited %.0f s in %s for rank(s) %s, which have not made it (%s): "
-            "fit() and validate() are calls that every rank makes, in the same order, and "
-            "this one waits for them up to the process group's timeout. To evaluate on one "
-            "rank alone, run trainer.model in a loop of your own there (see the docs' "
-            "distributed page, 'Every rank makes every call').",
+            "rank %d has waited %.0f s in %s for rank(s) %s, which have not begun it (%s): "
+            "they are late to it, or do not make it. fit() and validate() are calls that "
+            "every rank makes, in the same order, and this one waits for them up to the "
+            "process group's timeout. To evaluate on one rank alone, run trainer.model in a "
+            "loop of your own there (see the docs' distributed page, 'Every rank makes every "
+            "call').",
             self.rank,
             NOT_IN_CALL_WAIT,
             self._call,
@@ -701,6 +702,26 @@ class Comm:
         sent = values.to(self._wire)  # the tensor itself when it is there already (gloo)
         timer = self._watch_call()  # the call's first exchange: are the others in the call?
         try:
+            self._reduce(sent, buckets, meanwhile)
+            if sent is not values:
+                values.copy_(sent.cpu())
+            # NCCL runs on streams of its own, and a work's wait() only holds this thread's
+            # current stream on each device for it: the workers read the sums on streams of
+            # their own, on every device a bucket is on (several GPUs in one process), not only
+            # the first. (With NCCL, this thread blocks here, not in the waits: the watch too.)
+            for device in {t.device for t in (sent, *buckets) if t.is_cuda}:
+                torch.cuda.synchronize(device)
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _reduce(
+        self,
+        sent: torch.Tensor,
+        buckets: Sequence[torch.Tensor],
+        meanwhile: Callable[[], None] | None,
+    ) -> None:
+        try:
             works = self._issue([sent, *buckets])
             try:
                 if meanwhile is not None:
@@ -710,16 +731,6 @@ class Comm:
                     self._wait(work)
         except RuntimeError as error:
             raise self.lost(error) from error
-        finally:
-            if timer is not None:
-                timer.cancel()
-        if sent is not values:
-            values.copy_(sent.cpu())
-        # NCCL runs on streams of its own, and a work's wait() only holds this thread's current
-        # stream on each device for it: the workers read the sums on streams of their own, on
-        # every device a bucket is on (several GPUs in one process), not only the first.
-        for device in {t.device for t in (sent, *buckets) if t.is_cuda}:
-            torch.cuda.synchronize(device)
 
     def _issue(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
         """Start the all-reduces of ``tensors`` (in pieces of at most ``BUCKET_BYTES``), all at

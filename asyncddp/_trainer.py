@@ -510,9 +510,11 @@ class Trainer(Resumable):
         history: list[EpochRecord] = []
         started, items_before = time.perf_counter(), self._items_trained
         try:
+            # Joined first: every rank counts the call (Comm.begin_call), also one that a
+            # check below fails on this rank alone.
+            await self._join("fit()")
             if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
                 raise ConfigurationError(f"epochs must be an int >= 1, got {epochs!r}")
-            await self._join("fit()")
             state = await self._resume_state(resume) if resume is not None else None
             # A checkpoint may have begun while joining or reading: it snapshots the position,
             # so the state is taken once it has ended (nothing awaits from here to the session).

@@ -620,7 +620,7 @@ def test_the_user_s_own_collectives_during_fit_do_not_meet_asyncddp_s(
 
 
 def test_a_rank_waiting_for_one_that_has_not_made_the_call_says_so(tmp_path: Path) -> None:
-    # Rank 1 makes its first call and a validate 2.5 s after rank 0 (as a script that validates
+    # Rank 1 makes its first call and a validate 4 s after rank 0 (as a script that validates
     # on rank 0 alone never does); rank 0 looks in the store after 1 s (NOT_IN_CALL_WAIT here)
     # and logs a warning naming rank 1 each time. Then rank 1 is in the call but its data is
     # slow: no warning. Rank 1 waits for nobody.
@@ -630,7 +630,7 @@ def test_a_rank_waiting_for_one_that_has_not_made_the_call_says_so(tmp_path: Pat
     setup, validate = first["records"]
     assert "rank 0 has waited 1 s in fit() for rank(s) 1" in setup
     assert "this trainer's first call" in setup
-    assert "rank 0 has waited 1 s in validate() for rank(s) 1" in validate
+    assert "rank 0 has waited 1 s in validate() for rank(s) 1, which have not begun it" in validate
     assert "call 2 on this trainer" in validate
     assert "every rank makes" in validate
     assert "run trainer.model in a loop of your own" in validate
