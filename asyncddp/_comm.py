@@ -272,6 +272,7 @@ class Comm:
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigurationError("no torch.distributed process group is initialized")
+        self._world = dist.group.WORLD  # the default group joined: see current()
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.backend = str(dist.get_backend())
@@ -369,6 +370,11 @@ class Comm:
         self._packed = packable  # every rank's, as the fingerprints agree
         self._scope, self._calls = str(self.data_seed), 1  # this trainer's calls, from here
         self._note()
+
+    def current(self) -> bool:
+        """Whether the default group it joined is still the process's (not destroyed and made
+        anew since, maybe with other ranks)."""
+        return dist.is_initialized() and dist.group.WORLD is self._world
 
     # -- which call each rank is in ------------------------------------------------------------
 

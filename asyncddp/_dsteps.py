@@ -133,6 +133,10 @@ class DistributedSteps(Steps):
     async def _join(self, call: str) -> None:
         """Join the process group's training, once, if this process is in one; ``call`` is
         the call that joins or comes after (``"fit()"``, ``"validate()"``)."""
+        if self._comm is not None and not self._comm.current():
+            # Its process group was destroyed since (and maybe made anew): joined afresh, as
+            # a trainer that trained alone joins a group made after its last call.
+            self._comm = None
         if self._comm is not None:
             self._comm.announced = False  # a failure of an earlier call was announced then
             self._comm.begin_call(call)

@@ -1446,3 +1446,26 @@ def test_a_lost_rank_s_error_says_why_a_rank_may_stop_answering() -> None:
     timeout = _comm._lost_message(1, "Timed out waiting 1800000ms for recv operation")
     assert "did not answer within the process group's timeout" in timeout
     assert "not making this call" in timeout
+
+
+def test_a_trainer_joins_a_new_process_group_made_after_its_last_call() -> None:
+    # A trainer fitted in one process group, which was then destroyed and made anew, joins the
+    # new one at its next call (it went on with the destroyed group's collectives, which fail).
+    import anyio
+
+    trainer = one_device_trainer()
+
+    async def fit(epochs: int) -> int:  # epochs counts from the start of training
+        result = await trainer.fit(worker.batches(), epochs=epochs)
+        return result.global_step
+
+    with one_rank_group():
+        assert anyio.run(fit, 1) == 7
+        first = trainer._comm
+        assert first is not None
+    with one_rank_group():
+        assert anyio.run(fit, 2) == 14
+        assert trainer._comm is not None
+        assert trainer._comm is not first
+    assert anyio.run(fit, 3) == 21  # no group now: it trains alone
+    assert trainer._comm is None
