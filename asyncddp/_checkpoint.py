@@ -8,12 +8,15 @@ tensors, numbers, strings and containers only, no arbitrary code.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import os
 import pickle
 import random
 import re
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -26,6 +29,8 @@ from torch.utils.data import DataLoader
 
 from ._checks import warn_user
 from ._exceptions import CheckpointError, ConfigurationError
+
+_log = logging.getLogger("asyncddp")
 
 __all__ = [
     "capture_loader_rng",
@@ -448,14 +453,31 @@ def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
     return max(found)[2] if found else None
 
 
+#: A temporary file `save` writes for a checkpoint fit names (``.epoch0001-step000007.ckpt.
+#: XXXXXXXX.tmp``), as a killed process leaves it.
+_TEMPORARY = re.compile(r"^\.epoch\d+-step\d+\.ckpt\..+\.tmp$")
+#: Seconds since its last write after which such a file is taken as left by a killed write: no
+#: live writer leaves one unwritten so long (torch.save writes it through, then fsyncs).
+STALE_TEMPORARY = 600.0
+
+
 def check_writable(folder: Path) -> None:
     """Make ``folder`` (and its parents) and write a file there, so that a folder checkpoints
-    cannot be written to fails before training rather than after an epoch of it."""
+    cannot be written to fails before training rather than after an epoch of it. Removes the
+    temporary checkpoint files a killed write left there (see `STALE_TEMPORARY`): each is as
+    large as a checkpoint, and hidden."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=folder, prefix=".asyncddp-write-check.", suffix=".tmp")
         os.close(fd)
         os.unlink(probe)
+        now = time.time()
+        for entry in folder.iterdir():
+            if _TEMPORARY.match(entry.name) and entry.is_file():
+                with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
+                    if now - entry.stat().st_mtime > STALE_TEMPORARY:
+                        entry.unlink()
+                        _log.info("removed %s, a checkpoint write a killed process left", entry)
     except OSError as exc:
         raise CheckpointError(
             f"checkpoint_dir {str(folder)!r} cannot be written ({type(exc).__name__}: "

@@ -595,3 +595,28 @@ async def test_a_state_with_an_lr_scheduler_loads_without_a_word_on_settings() -
     trainer = make_trainer(2, lr_scheduler=cycle, lr_scheduler_interval="step")
     trainer.load_state_dict(donor.state_dict())  # no warning (filterwarnings = error)
     await trainer.fit(batches(), epochs=3)
+
+
+async def test_fit_removes_the_temporary_files_of_checkpoint_writes_a_killed_process_left(
+    tmp_path: Path,
+) -> None:
+    # A write killed by SIGKILL leaves its hidden temporary file, as large as a checkpoint;
+    # preempted again and again, a run filled its disk with them. The next fit removes those
+    # not written to for STALE_TEMPORARY seconds; a fresh one (a live writer's) and files of
+    # other names stay.
+    import os
+
+    from asyncddp import _checkpoint
+
+    left = tmp_path / ".epoch0001-step000007.ckpt.k2j4x9_a.tmp"
+    fresh = tmp_path / ".epoch0001-step000014.ckpt.abcdefgh.tmp"
+    other = tmp_path / ".notes.txt.abcdefgh.tmp"
+    for path in (left, fresh, other):
+        path.write_bytes(b"partial")
+    old = os.stat(left).st_mtime - _checkpoint.STALE_TEMPORARY - 60
+    os.utime(left, (old, old))
+    os.utime(other, (old, old))
+    await make_trainer(1, checkpoint_dir=tmp_path).fit(batches(), epochs=1)
+    assert not left.exists()
+    assert fresh.exists()
+    assert other.exists()
