@@ -281,6 +281,7 @@ class Comm:
         self.names: list[str] = []  # metric names, in the same order on every rank
         self.rank_devices: list[tuple[Device, ...]] = []
         self.data_seed = 0
+        self.name = ""  # rank 0's name for this trainer, once set up
         self.announced = False
         #: The sizes and dtypes of a step's gradient buckets (a failing rank sends zeros alike).
         self.layout: list[tuple[int, torch.dtype]] = []
@@ -335,14 +336,18 @@ class Comm:
             raise self.lost(error) from error
         packable = self._packable()
         fingerprint = {**self._fingerprint, "packed": str(packable)}
-        mine = (self.devices, fingerprint, int(torch.randint(0, 2**62, ()).item()))
+        # The data seed draws from torch's generator (a seeded run shuffles alike every time);
+        # the name, from the OS: trainers seeded alike still keep their store keys apart.
+        seed, name = int(torch.randint(0, 2**62, ()).item()), os.urandom(8).hex()
+        mine = (self.devices, fingerprint, seed, name)
         gathered: list[Any] = [None] * self.world_size
         try:
             dist.all_gather_object(gathered, mine, group=self._group)
         except RuntimeError as error:
             raise self.lost(error) from error
-        self.rank_devices = [tuple(devices) for devices, _, _ in gathered]
+        self.rank_devices = [tuple(devices) for devices, *_ in gathered]
         self.data_seed = int(gathered[0][2])
+        self.name = str(gathered[0][3])  # rank 0's: this trainer's store keys (_key)
         kinds = [{device.type for device in devices} for devices in self.rank_devices]
         if any(kind != kinds[0] for kind in kinds):
             raise ConfigurationError(
@@ -354,7 +359,7 @@ class Comm:
                 )
                 + ": train on GPUs on every rank, or on the CPU on every rank"
             )
-        different = [r for r, (_, fp, _) in enumerate(gathered) if fp != gathered[0][1]]
+        different = [r for r, (_, fp, *_) in enumerate(gathered) if fp != gathered[0][1]]
         if different:
             first, theirs = gathered[0][1], gathered[different[0]][1]
             differ = "; ".join(
@@ -368,7 +373,7 @@ class Comm:
             )
         self._agreed = True
         self._packed = packable  # every rank's, as the fingerprints agree
-        self._scope, self._calls = str(self.data_seed), 1  # this trainer's calls, from here
+        self._scope, self._calls = self.name, 1  # this trainer's calls, from here
         self._note()
 
     def current(self) -> bool:
@@ -787,8 +792,8 @@ class Comm:
                 return
 
     def _key(self, what: str, incident: int) -> str:
-        # The data seed tells one trainer's exchanges from another's in the same group.
-        return f"asyncddp/{self.data_seed}/{what}/{incident}"
+        # The name tells one trainer's exchanges from another's in the same group.
+        return f"asyncddp/{self.name}/{what}/{incident}"
 
     def lost(self, error: BaseException) -> RankLost:
         """Find out which ranks are gone, after ``error`` broke a collective (blocking).

@@ -1469,3 +1469,22 @@ def test_a_trainer_joins_a_new_process_group_made_after_its_last_call() -> None:
         assert trainer._comm is not first
     assert anyio.run(fit, 3) == 21  # no group now: it trains alone
     assert trainer._comm is None
+
+
+def test_trainers_seeded_alike_keep_their_store_keys_apart() -> None:
+    # A seeded script that builds a trainer per run draws the same data seed each time (so
+    # that its shuffles repeat); the store keys of a lost rank's roll call were named by that
+    # seed, so a later trainer could read an earlier one's verdict and name the wrong ranks.
+    from asyncddp._comm import Comm
+
+    with one_rank_group():
+        comms = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            comm = Comm(asyncddp.cpu_devices(1), 1, {"test": "keys"})
+            comm.setup()
+            comms.append(comm)
+        first, second = comms
+        assert first.data_seed == second.data_seed
+        assert first._key("verdict", 1) != second._key("verdict", 1)
+        assert first._call_key(0) != second._call_key(0)
