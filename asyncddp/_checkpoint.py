@@ -453,37 +453,43 @@ def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
     return max(found)[2] if found else None
 
 
-#: A temporary file `save` writes for a checkpoint fit names (``.epoch0001-step000007.ckpt.
-#: XXXXXXXX.tmp``), as a killed process leaves it.
-_TEMPORARY = re.compile(r"^\.epoch\d+-step\d+\.ckpt\..+\.tmp$")
-#: Seconds since its last write after which such a file is taken as left by a killed write: no
-#: live writer leaves one unwritten so long (torch.save writes it through, then fsyncs).
-STALE_TEMPORARY = 600.0
-
-
 def check_writable(folder: Path) -> None:
     """Make ``folder`` (and its parents) and write a file there, so that a folder checkpoints
-    cannot be written to fails before training rather than after an epoch of it. Removes the
-    temporary checkpoint files a killed write left there (see `STALE_TEMPORARY`): each is as
-    large as a checkpoint, and hidden."""
+    cannot be written to fails before training rather than after an epoch of it."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=folder, prefix=".asyncddp-write-check.", suffix=".tmp")
         os.close(fd)
         os.unlink(probe)
-        now = time.time()
-        for entry in folder.iterdir():
-            if _TEMPORARY.match(entry.name) and entry.is_file():
-                with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
-                    if now - entry.stat().st_mtime > STALE_TEMPORARY:
-                        entry.unlink()
-                        _log.info("removed %s, a checkpoint write a killed process left", entry)
     except OSError as exc:
         raise CheckpointError(
             f"checkpoint_dir {str(folder)!r} cannot be written ({type(exc).__name__}: "
             f"{exc.strerror or exc}): fit writes a checkpoint there after every epoch. Give a "
             "folder you can write to, or checkpoint_dir=None for no checkpoints"
         ) from exc
+
+
+#: A temporary file `save` writes, ``.NAME.XXXXXXXX.tmp`` (``tempfile.mkstemp``'s random part
+#: has no dot); a killed process leaves it.
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.\w+\.tmp$")
+#: Seconds since its last write after which such a file is taken as left by a killed write: no
+#: live writer leaves one unwritten so long (torch.save writes it through, then fsyncs).
+STALE_TEMPORARY = 600.0
+
+
+def remove_stale_temporaries(folder: Path) -> None:
+    """Remove the temporary files of checkpoints fit names (`checkpoint_name`) that killed
+    writes left in ``folder``: hidden, and each as large as a checkpoint (see
+    `STALE_TEMPORARY`)."""
+    now = time.time()
+    with contextlib.suppress(OSError):  # a folder that cannot be listed: nothing to tidy
+        for entry in folder.iterdir():
+            match = _TEMPORARY.match(entry.name)
+            if match and _NAME.match(match["name"]) and entry.is_file():
+                with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
+                    if now - entry.stat().st_mtime > STALE_TEMPORARY:
+                        entry.unlink()
+                        _log.info("removed %s, a checkpoint write a killed process left", entry)
 
 
 #: Where a loader keeps generators of its own: ``DataLoader(generator=...)`` (which draws the

@@ -66,6 +66,7 @@ import torch.distributed as dist
 from ._devices import Device
 from ._exceptions import ConfigurationError, WorkerFailedError, _message, _qualified_name
 from ._sync import all_finite, clip_coefficient, squared_norm
+from .distributed import _run_id
 
 __all__ = ["Comm", "Failure", "Global", "PeerFailed", "RankLost"]
 
@@ -309,6 +310,7 @@ class Comm:
         global _setups
         _setups += 1
         self._call = call
+        self._run = _run_id()  # keys of this run of torchrun's workers only
         self._scope, self._calls = "setup", _setups  # the set-up's first call: trainers set up
         self._first_exchange = True  # whether the call's first exchange is still to come
         self._note_lock = threading.Lock()
@@ -403,10 +405,7 @@ class Comm:
         threading.Thread(target=self._note, name="asyncddp-note-call", daemon=True).start()
 
     def _call_key(self, rank: int) -> str:
-        run = "/".join(
-            os.environ.get(n, "") for n in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
-        )
-        return f"asyncddp/calls/{run}/{self._scope}/{rank}"
+        return f"asyncddp/calls/{self._run}/{self._scope}/{rank}"
 
     def _note(self) -> None:
         with self._note_lock, contextlib.suppress(Exception):  # a hint only: never fails a call

@@ -198,10 +198,15 @@ class Resumable(Epochs):
 
     async def _check_checkpoint_dir(self) -> None:
         """Refuse a ``checkpoint_dir`` that cannot be written, before a fit trains (on rank 0,
-        which writes the checkpoints)."""
+        which writes the checkpoints), and remove what killed writes left there."""
         if self.checkpoint_dir is None or (self._comm is not None and self._comm.rank != 0):
             return
-        await anyio.to_thread.run_sync(_checkpoint.check_writable, self.checkpoint_dir)
+        await anyio.to_thread.run_sync(self._prepare_checkpoint_dir, self.checkpoint_dir)
+
+    @staticmethod
+    def _prepare_checkpoint_dir(folder: Path) -> None:
+        _checkpoint.check_writable(folder)
+        _checkpoint.remove_stale_temporaries(folder)
 
     async def _warn_if_checkpoints_ahead(self) -> None:
         """Warn where ``checkpoint_dir`` holds a checkpoint further on than this trainer, in a

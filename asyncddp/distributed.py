@@ -122,7 +122,7 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
     if backend == "nccl":
         try:
             # torchrun's store outlives a restart of the workers: keys of this run only.
-            run = "/".join(os.environ.get(name, "") for name in _RUN)
+            run = _run_id()
             _refuse_shared_gpus(
                 dist.distributed_c10d._get_default_store(),
                 dist.get_rank(),
@@ -138,6 +138,12 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
 
 _joins = 0  # process groups joined by this process: a fresh key prefix for each
 _RUN = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+
+
+def _run_id() -> str:
+    """This run of torchrun's workers, for keys in its store: torchrun's store outlives a
+    restart of the workers (empty parts where not launched by torchrun)."""
+    return "/".join(os.environ.get(name, "") for name in _RUN)
 
 
 def _gpu_id(index: int) -> str:
