@@ -56,6 +56,7 @@ import os
 import pickle
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -219,8 +220,9 @@ def describe(error: BaseException, rank: int, device: Device, **where: Any) -> F
 
 
 _GROUP_LOCK = threading.Lock()
-#: asyncddp's own group over every rank, and the default group it was made in (see `own_group`).
-_GROUP: tuple[Any, Any] | None = None
+#: asyncddp's own group over every rank, and the default group it was made in (see
+#: `own_group`), both held weakly: torch's registry holds them until ``destroy_process_group``.
+_GROUP: tuple[weakref.ref[Any], weakref.ref[Any]] | None = None
 
 
 def own_group(*, make: bool, device: torch.device) -> Any:
@@ -236,19 +238,31 @@ def own_group(*, make: bool, device: torch.device) -> Any:
     on every rank, in the same order, as ``dist.new_group`` is); else None until then, which
     stands for the default group. It takes the default group's timeout. A new default group
     (``destroy_process_group`` and a new ``init``) gets a new one.
+
+    asyncddp holds process groups weakly (here and in `Comm`), so that
+    ``destroy_process_group`` tears them down as it returns, as torch expects: one kept alive
+    would be torn down in the interpreter's exit, where gloo's threads may abort the process
+    ("terminate called without an active exception").
     """
     global _GROUP
     world = dist.group.WORLD
     with _GROUP_LOCK:
-        if _GROUP is not None and _GROUP[0] is world:
-            return _GROUP[1]
+        if _GROUP is not None and _GROUP[0]() is world:
+            group = _GROUP[1]()
+            if group is not None:
+                return group
         if not make:
             return None
         timeout = None
         with contextlib.suppress(Exception):  # torch keeps no public getter for it
             timeout = world._get_backend(device).options._timeout  # type: ignore[union-attr]
-        _GROUP = (world, dist.new_group(timeout=timeout))
-        return _GROUP[1]
+        group = dist.new_group(timeout=timeout)
+        _GROUP = (weakref.ref(world), weakref.ref(group))
+        return group
+
+
+def _weakly(group: Any) -> weakref.ref[Any] | None:
+    return None if group is None else weakref.ref(group)
 
 
 class Comm:
@@ -273,7 +287,8 @@ class Comm:
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigurationError("no torch.distributed process group is initialized")
-        self._world = dist.group.WORLD  # the default group joined: see current()
+        # The default group joined (see current()), held weakly (see own_group).
+        self._world = _weakly(dist.group.WORLD)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.backend = str(dist.get_backend())
@@ -303,9 +318,9 @@ class Comm:
         # (the parameters, the packing), or the first collective would fail in gloo, not here.
         self._agreed = False
         self._packed = False  # see packed(): decided once the ranks agreed
-        # The group of asyncddp's collectives (see own_group): None, the default group, for a
-        # process's first trainer until its set-up's first header (it is made then).
-        self._group = own_group(make=False, device=self._wire)
+        # The group of asyncddp's collectives (see own_group), held weakly: None, the default
+        # group, for a process's first trainer until its set-up's first header (made then).
+        self._group_ref = _weakly(own_group(make=False, device=self._wire))
         # Which call on the trainer this rank is in, for the others to see (begin_call).
         global _setups
         _setups += 1
@@ -333,7 +348,7 @@ class Comm:
         # Made once every rank is here: ranks waiting in new_group for one that died before it
         # would wait out the process group's timeout, where a broken header fails at once.
         try:
-            self._group = own_group(make=True, device=self._wire)
+            self._group_ref = _weakly(own_group(make=True, device=self._wire))
         except RuntimeError as error:
             raise self.lost(error) from error
         packable = self._packable()
@@ -381,7 +396,14 @@ class Comm:
     def current(self) -> bool:
         """Whether the default group it joined is still the process's (not destroyed and made
         anew since, maybe with other ranks)."""
-        return dist.is_initialized() and dist.group.WORLD is self._world
+        world = None if self._world is None else self._world()
+        return dist.is_initialized() and world is not None and dist.group.WORLD is world
+
+    @property
+    def _group(self) -> Any:
+        """The group of this trainer's collectives: asyncddp's own (see `own_group`), or None,
+        the default group."""
+        return None if self._group_ref is None else self._group_ref()
 
     # -- which call each rank is in ------------------------------------------------------------
 

@@ -1471,6 +1471,30 @@ def test_a_trainer_joins_a_new_process_group_made_after_its_last_call() -> None:
     assert trainer._comm is None
 
 
+def test_a_trainer_keeps_no_process_group_alive_once_destroyed() -> None:
+    # destroy_process_group tears a group down as its last reference goes. One a trainer (or
+    # asyncddp's own group) kept was torn down in the interpreter's exit instead, where gloo's
+    # threads now and then aborted the process ("terminate called without an active
+    # exception", a torchrun script's rank failing after a finished fit).
+    import weakref
+
+    import anyio
+
+    from asyncddp import _comm
+
+    trainer = one_device_trainer()
+    with one_rank_group():
+        anyio.run(functools.partial(trainer.fit, worker.batches(), epochs=1))
+        assert trainer._comm is not None
+        own = trainer._comm._group
+        assert own is not None and own is not torch.distributed.group.WORLD  # asyncddp's own
+        groups = [weakref.ref(torch.distributed.group.WORLD), weakref.ref(own)]
+        del own
+    assert trainer._comm is not None  # the trainer lives on, and so does its Comm
+    assert [group() for group in groups] == [None, None]
+    assert _comm.own_group(make=False, device=torch.device("cpu")) is None
+
+
 def test_trainers_seeded_alike_keep_their_store_keys_apart() -> None:
     # A seeded script that builds a trainer per run draws the same data seed each time (so
     # that its shuffles repeat); the store keys of a lost rank's roll call were named by that
