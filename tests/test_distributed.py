@@ -1487,7 +1487,8 @@ def test_a_trainer_keeps_no_process_group_alive_once_destroyed() -> None:
         anyio.run(functools.partial(trainer.fit, worker.batches(), epochs=1))
         assert trainer._comm is not None
         own = trainer._comm._group
-        assert own is not None and own is not torch.distributed.group.WORLD  # asyncddp's own
+        assert own is not None
+        assert own is not torch.distributed.group.WORLD  # asyncddp's own
         groups = [weakref.ref(torch.distributed.group.WORLD), weakref.ref(own)]
         del own
     assert trainer._comm is not None  # the trainer lives on, and so does its Comm
