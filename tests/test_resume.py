@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -221,6 +223,35 @@ async def test_a_checkpoint_resumes_a_loader_s_own_generator_where_it_was(
     await resumed.fit(generator_loader(kind), epochs=3, resume=path)
     torch.testing.assert_close(parameters(resumed), parameters(uninterrupted))
     assert sorted(recorder.seen[2]) == list(range(SAMPLES))
+
+
+async def test_a_stop_at_an_epoch_s_last_step_keeps_the_sampler_s_draw_at_its_end(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # RandomSampler draws one more permutation from its generator as its iterator ends, in
+    # the loader's next() after the epoch's last batch. A stop at the epoch's last step closed
+    # the epoch by the batch count and took the generator's state before the loader thread
+    # (late, on a loaded machine) made that draw: the later epochs were shuffled otherwise.
+    uninterrupted = make_trainer(Recorder())
+    await uninterrupted.fit(generator_loader("sampler"), epochs=3)
+
+    plain = RandomSampler.__iter__
+
+    def late_end(self: RandomSampler) -> Iterator[int]:
+        indices = plain(self)
+        yield from itertools.islice(indices, len(self))
+        time.sleep(0.3)  # the loader thread is late for the iterator's end: the stop is first
+        yield from indices
+
+    first = make_trainer(Recorder())
+    with monkeypatch.context() as patch:
+        patch.setattr(RandomSampler, "__iter__", late_end)
+        await fit_until_stopped(first, generator_loader("sampler"), epochs=3, at_step=7)
+    assert first.epoch == 1  # the stop closed epoch 0
+    path = await first.save_checkpoint(tmp_path / "stopped.ckpt")
+    resumed = make_trainer(Recorder())
+    await resumed.fit(generator_loader("sampler"), epochs=3, resume=path)
+    torch.testing.assert_close(parameters(resumed), parameters(uninterrupted))
 
 
 async def test_a_checkpoint_without_loader_generator_states_still_resumes(tmp_path: Any) -> None:
