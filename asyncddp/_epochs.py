@@ -147,19 +147,23 @@ class Epochs(DistributedSteps):
             **replay,
         )
 
-    async def _used_up(self, batches: Prefetcher, view: Iterable[Any], seen: int) -> bool:
+    async def _used_up(
+        self, batches: Prefetcher, view: Iterable[Any], seen: int, skip: int
+    ) -> bool:
         """At a stop: whether this rank's part of the epoch is used up: the loader already
-        reached the end, or ``seen`` is the data's exact batch count. In the latter case the
-        loader's last ``next()``, the one that ends the iteration, is waited for (it returns
-        at once): it may still draw from the loader's generators (``RandomSampler`` draws one
-        more permutation as its iterator ends), whose state the epoch's end takes
-        (``_loader_rng``). When neither tells, the epoch stays unfinished, with no wait for
-        the loader, which may be inside a long ``next()``: the next fit reads the data again,
-        skips the batches done and, finding none left, closes the epoch."""
+        reached the end, or ``seen`` is the data's exact batch count (`batch_count`). In the
+        latter case the loader's last ``next()``, the one that ends the iteration, is waited
+        for: it may still draw from the loader's generators (``RandomSampler`` draws one more
+        permutation as its iterator ends), whose state the epoch's end takes
+        (``_loader_rng``). Not while a continued epoch's replay (``skip`` batches) runs, which
+        a stop cuts short instead (see `Prefetcher`): the epoch stays unfinished. When neither
+        tells, the epoch stays unfinished too, with no wait for the loader, which may be inside
+        a long ``next()``: the next fit reads the data again, skips the batches done and,
+        finding none left, closes the epoch."""
         ended = batches.used_up()
         if ended is None:
             count = batch_count(view)
-            if count is None or seen < count:
+            if count is None or seen < count or seen == skip:
                 return False
             ended = await batches.next() is ENDED  # a batch more: the count was wrong
         return ended
@@ -295,7 +299,7 @@ class Epochs(DistributedSteps):
                             exhausted = await self._drain(step)
                         break
                     if batch is GAVE_UP:  # stop() while waiting for the loader
-                        exhausted = await self._used_up(batches, view, seen)
+                        exhausted = await self._used_up(batches, view, seen, skip)
                         break
                     seen += 1
                     # A clear error, before any work, for a batch we cannot split.
@@ -316,7 +320,7 @@ class Epochs(DistributedSteps):
                         if self._should_stop():
                             # Stopped: the epoch is over only if the data is used up too,
                             # which is not waited for (see _used_up) but for its end.
-                            exhausted = await self._used_up(batches, view, seen)
+                            exhausted = await self._used_up(batches, view, seen, skip)
                             if self._distributed():
                                 exhausted = await self._all_exhausted(exhausted)
                             break

@@ -425,8 +425,9 @@ class Trainer(Resumable):
         It does not wait for the data: a fit waiting for the loader between two steps returns
         at once, and one that cannot tell, without reading on, whether the epoch's data is used
         up leaves the epoch open for the next fit to close (see docs/cancellation.md). The one
-        wait: at an epoch's last batch (by the data's ``len()``), for the loader's call that
-        ends the epoch, where a ``RandomSampler`` draws from its generator.
+        wait: at an epoch's last batch, of data whose batch count is known (a list; a
+        ``DataLoader`` with torch's own samplers), for the loader's call that ends the epoch,
+        where a ``RandomSampler`` draws from its generator.
 
         Safe to call from any task on the event loop, or from an event consumer: called from
         the consumer of a ``StepEnded``, ``EpochEnded`` or ``ValidationEnded`` before its first

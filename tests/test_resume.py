@@ -8,7 +8,7 @@ import functools
 import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler
 
-from asyncddp import StepEnded, Trainer, cpu_devices
+from asyncddp import FitStarted, StepEnded, Trainer, cpu_devices
 
 pytestmark = pytest.mark.anyio
 
@@ -48,9 +48,12 @@ class Recorder:
     def __init__(self) -> None:
         self.trainer: Trainer | None = None
         self.seen: dict[int, list[int]] = collections.defaultdict(list)
+        self.hook: Callable[[int], None] | None = None  # called with the step, as it runs
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
         assert self.trainer is not None
+        if self.hook is not None:
+            self.hook(self.trainer.global_step)
         inputs, targets, indices = batch
         self.seen[self.trainer.epoch].extend(indices.tolist())
         return F.mse_loss(model(inputs), targets)
@@ -252,6 +255,76 @@ async def test_a_stop_at_an_epoch_s_last_step_keeps_the_sampler_s_draw_at_its_en
     resumed = make_trainer(Recorder())
     await resumed.fit(generator_loader("sampler"), epochs=3, resume=path)
     torch.testing.assert_close(parameters(resumed), parameters(uninterrupted))
+
+
+class Gated(Numbered):
+    """`Numbered`, whose ``__getitem__`` waits for ``gate`` while ``hold`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold, self.gate = False, threading.Event()
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.hold:
+            assert self.gate.wait(60.0)
+        return super().__getitem__(index)
+
+
+async def test_a_stop_while_a_continued_epoch_replays_leaves_it_open_at_once() -> None:
+    # An epoch whose every batch was trained but that a cancellation left open: the next fit
+    # replays its loads before anything else. A stop() during that replay closed the epoch
+    # and took the loader's generators mid-replay; for a while it waited for the whole replay
+    # (each of the epoch's loads) instead. It leaves the epoch open, and the fit after closes it.
+    uninterrupted = make_trainer(Recorder())
+    await uninterrupted.fit(DataLoader(Numbered(), batch_size=2, shuffle=True), epochs=2)
+
+    recorder = Recorder()
+    trainer = make_trainer(recorder)
+    data = Gated()
+    loader = DataLoader(data, batch_size=2, shuffle=True)
+    running, cancelled = threading.Event(), threading.Event()
+
+    def hold_last_step(step: int) -> None:
+        if step == SAMPLES // 2 - 1:  # the epoch's last step: cancelled as it runs
+            running.set()
+            assert cancelled.wait(60.0)
+
+    recorder.hook = hold_last_step
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as group:
+
+            async def cancel() -> None:
+                await anyio.to_thread.run_sync(running.wait)
+                scope.cancel()
+                cancelled.set()
+
+            group.start_soon(cancel)
+            await trainer.fit(loader, epochs=2)
+    assert scope.cancelled_caught
+    assert (trainer.epoch, trainer.global_step) == (0, 8)  # every batch trained; epoch open
+    recorder.hook = None
+
+    data.hold = True  # the replay's loads wait
+    stream = trainer.events()
+
+    async def stop_at_start() -> None:
+        async for event in stream:
+            if isinstance(event, FitStarted):
+                trainer.stop("test")
+                return
+
+    with anyio.fail_after(30):  # the loads wait 60 s
+        async with anyio.create_task_group() as group:
+            group.start_soon(stop_at_start)
+            result = await trainer.fit(loader, epochs=2)
+    assert result.stopped
+    assert trainer.epoch == 0  # left open
+    data.hold = False
+    data.gate.set()
+    result = await trainer.fit(loader, epochs=2)
+    assert result.epoch == 2
+    assert sorted(recorder.seen[1]) == list(range(SAMPLES))
+    torch.testing.assert_close(parameters(trainer), parameters(uninterrupted))
 
 
 async def test_a_checkpoint_without_loader_generator_states_still_resumes(tmp_path: Any) -> None:
