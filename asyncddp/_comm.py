@@ -397,6 +397,8 @@ class Comm:
         """Whether the default group it joined is still the process's (not destroyed and made
         anew since, maybe with other ranks)."""
         world = None if self._world is None else self._world()
+        if self._group_ref is not None and self._group_ref() is None:
+            return False  # asyncddp's own group destroyed alone: joined afresh, on a new one
         return dist.is_initialized() and world is not None and dist.group.WORLD is world
 
     @property
@@ -768,11 +770,12 @@ class Comm:
         """Start the all-reduces of ``tensors`` (in pieces of at most ``BUCKET_BYTES``), all at
         once; returns their works, to wait for."""
         works = []
+        group = self._group
         for tensor in tensors:
             per = max(1, BUCKET_BYTES // tensor.element_size())
             pieces = [tensor] if tensor.numel() <= per else torch.split(tensor, per)
             for piece in pieces:
-                works.append(dist.all_reduce(piece, group=self._group, async_op=True))
+                works.append(dist.all_reduce(piece, group=group, async_op=True))
         return works
 
     def _wait(self, work: Any) -> None:

@@ -1496,6 +1496,30 @@ def test_a_trainer_keeps_no_process_group_alive_once_destroyed() -> None:
     assert _comm.own_group(make=False, device=torch.device("cpu")) is None
 
 
+def test_a_trainer_whose_own_group_was_destroyed_alone_joins_afresh() -> None:
+    # destroy_process_group(group) on asyncddp's own group, the default group kept: the
+    # trainer's collectives went to the default group instead, silently.
+    import anyio
+
+    trainer = one_device_trainer()
+
+    async def fit(epochs: int) -> int:  # epochs counts from the start of training
+        result = await trainer.fit(worker.batches(), epochs=epochs)
+        return result.global_step
+
+    with one_rank_group():
+        assert anyio.run(fit, 1) == 7
+        first = trainer._comm
+        assert first is not None
+        torch.distributed.destroy_process_group(first._group)
+        assert not first.current()
+        assert anyio.run(fit, 2) == 14
+        again = trainer._comm
+        assert again is not None
+        assert again is not first
+        assert again._group is not None
+
+
 def test_trainers_seeded_alike_keep_their_store_keys_apart() -> None:
     # A seeded script that builds a trainer per run draws the same data seed each time (so
     # that its shuffles repeat); the store keys of a lost rank's roll call were named by that
