@@ -263,6 +263,18 @@ def one_device_trainer(seed: int = 0, devices: str = "cpu", **options: Any) -> a
     )
 
 
+def fit_to(trainer: asyncddp.Trainer, epochs: int) -> int:
+    """``trainer.fit`` on the scenarios' batches to ``epochs`` (counted from the start of
+    training), in an event loop of its own; its global step."""
+    import anyio
+
+    async def fit() -> int:
+        result = await trainer.fit(worker.batches(), epochs=epochs)
+        return result.global_step
+
+    return anyio.run(fit)
+
+
 @contextlib.contextmanager
 def one_rank_group() -> Iterator[None]:
     """A gloo process group of this process alone, for the block: a trainer made in it joins."""
@@ -1451,23 +1463,16 @@ def test_a_lost_rank_s_error_says_why_a_rank_may_stop_answering() -> None:
 def test_a_trainer_joins_a_new_process_group_made_after_its_last_call() -> None:
     # A trainer fitted in one process group, which was then destroyed and made anew, joins the
     # new one at its next call (it went on with the destroyed group's collectives, which fail).
-    import anyio
-
     trainer = one_device_trainer()
-
-    async def fit(epochs: int) -> int:  # epochs counts from the start of training
-        result = await trainer.fit(worker.batches(), epochs=epochs)
-        return result.global_step
-
     with one_rank_group():
-        assert anyio.run(fit, 1) == 7
+        assert fit_to(trainer, 1) == 7
         first = trainer._comm
         assert first is not None
     with one_rank_group():
-        assert anyio.run(fit, 2) == 14
+        assert fit_to(trainer, 2) == 14
         assert trainer._comm is not None
         assert trainer._comm is not first
-    assert anyio.run(fit, 3) == 21  # no group now: it trains alone
+    assert fit_to(trainer, 3) == 21  # no group now: it trains alone
     assert trainer._comm is None
 
 
@@ -1478,13 +1483,11 @@ def test_a_trainer_keeps_no_process_group_alive_once_destroyed() -> None:
     # exception", a torchrun script's rank failing after a finished fit).
     import weakref
 
-    import anyio
-
     from asyncddp import _comm
 
     trainer = one_device_trainer()
     with one_rank_group():
-        anyio.run(functools.partial(trainer.fit, worker.batches(), epochs=1))
+        assert fit_to(trainer, 1) == 7
         assert trainer._comm is not None
         own = trainer._comm._group
         assert own is not None
@@ -1499,21 +1502,14 @@ def test_a_trainer_keeps_no_process_group_alive_once_destroyed() -> None:
 def test_a_trainer_whose_own_group_was_destroyed_alone_joins_afresh() -> None:
     # destroy_process_group(group) on asyncddp's own group, the default group kept: the
     # trainer's collectives went to the default group instead, silently.
-    import anyio
-
     trainer = one_device_trainer()
-
-    async def fit(epochs: int) -> int:  # epochs counts from the start of training
-        result = await trainer.fit(worker.batches(), epochs=epochs)
-        return result.global_step
-
     with one_rank_group():
-        assert anyio.run(fit, 1) == 7
+        assert fit_to(trainer, 1) == 7
         first = trainer._comm
         assert first is not None
         torch.distributed.destroy_process_group(first._group)
         assert not first.current()
-        assert anyio.run(fit, 2) == 14
+        assert fit_to(trainer, 2) == 14
         again = trainer._comm
         assert again is not None
         assert again is not first
