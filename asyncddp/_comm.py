@@ -396,10 +396,11 @@ class Comm:
     def current(self) -> bool:
         """Whether the default group it joined is still the process's (not destroyed and made
         anew since, maybe with other ranks)."""
-        world = None if self._world is None else self._world()
         if self._group_ref is not None and self._group_ref() is None:
             return False  # asyncddp's own group destroyed alone: joined afresh, on a new one
-        return dist.is_initialized() and world is not None and dist.group.WORLD is world
+        return (
+            dist.is_initialized() and self._world is not None and dist.group.WORLD is self._world()
+        )
 
     @property
     def _group(self) -> Any:
