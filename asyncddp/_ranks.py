@@ -206,9 +206,12 @@ class _Strided:
 
 def _strided(data: Iterable[Any], rank: int, world_size: int, seed: int) -> Iterator[Any]:
     # A shuffling sampler draws its seed from torch's global generator on its first next():
-    # draw the first batches under the shared seed, so every rank gets the same order.
+    # draw the first batches under the shared seed, so every rank gets the same order. The CPU
+    # generator alone, which fork_rng puts back: torch.manual_seed would also seed every GPU's
+    # (restarting their streams, a dropout's on a GPU, at each epoch, and at a resumed one
+    # where the checkpoint had put them back mid-stream).
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
         iterator = iter(data)
         first = list(itertools.islice(iterator, world_size))
     if rank < len(first):

@@ -1135,6 +1135,50 @@ def test_a_dataloader_is_strided_in_its_batch_sampler() -> None:
     assert len(rank_view(loader, 1, 2, seed=0)) == 2  # type: ignore[arg-type]
 
 
+def test_a_ranks_view_of_shuffled_data_seeds_no_gpus_generator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The ranks draw their first batches under a shared seed, so that a shuffling sampler
+    # orders alike on each: on the CPU's generator, put back after. No GPU's generator is
+    # seeded (torch.manual_seed seeds them all, and fork_rng(devices=[]) puts back the CPU's
+    # alone): a GPU's dropout would restart its stream at every epoch and differ on a resume.
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from asyncddp._ranks import rank_view
+
+    seeded: list[str] = []
+    for module, name in (
+        (torch.cuda, "manual_seed_all"),
+        (torch.mps, "manual_seed"),
+        (torch.xpu, "manual_seed_all"),
+    ):
+        monkeypatch.setattr(
+            module, name, lambda seed, where=f"{module.__name__}.{name}": seeded.append(where)
+        )
+    inputs = torch.arange(40, dtype=torch.float32).reshape(20, 2)
+    loader = DataLoader(TensorDataset(inputs, torch.zeros(20)), batch_size=4, shuffle=True)
+    parts = [list(rank_view(loader, rank, 2, seed=3, epoch=1)) for rank in range(2)]
+    assert seeded == []
+    firsts = [_first_column(part) for part in parts]  # still one order, split between them
+    assert sorted(firsts[0] + firsts[1]) == list(range(0, 40, 2))
+    again = [_first_column(rank_view(loader, rank, 2, seed=3, epoch=1)) for rank in range(2)]
+    assert again == firsts
+
+
+@pytest.mark.cuda
+def test_a_ranks_view_of_shuffled_data_leaves_the_gpus_generator_mid_stream() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from asyncddp._ranks import rank_view
+
+    torch.cuda.manual_seed(123)
+    torch.rand(3, device="cuda")  # mid-stream, as a checkpoint's restore leaves it
+    state = torch.cuda.get_rng_state()
+    loader = DataLoader(TensorDataset(torch.zeros(20, 2)), batch_size=4, shuffle=True)
+    assert len(list(rank_view(loader, 0, 2, seed=3, epoch=1))) == 3
+    assert torch.equal(torch.cuda.get_rng_state(), state)
+
+
 def test_a_dataloader_without_batching_is_strided_in_its_sampler() -> None:
     # batch_size=None: each of the dataset's items is a batch; the ranks load disjoint items,
     # which together are all of them, each once (a shuffling sampler in the same order).
