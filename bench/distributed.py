@@ -10,6 +10,8 @@ Run:  python bench/distributed.py            (a few minutes on 2 cores)
       python bench/distributed.py --loop-turn   (what an event loop's turn of Python a step
                                              costs DDP handed off: between steps, or while
                                              the all-reduce waits; ~6 minutes)
+      python bench/distributed.py --calls       (the Python and C calls a step, thread by
+                                             thread, of DDP and asyncddp: a count, not a clock)
 
 Both contenders run 2 processes on localhost over gloo, one CPU device each, half the CPU
 threads each, the same model (throughput.py's MLP 512-1024-10 and convnet) and the same global
@@ -58,15 +60,27 @@ queues steps ahead and takes the event loop's turn while the exchange waits). Ev
 does DDP's all-reduce in a Python communication hook (the same in all five), whose completion
 callback takes the GIL: in the wait, the all-reduce cannot complete before the turn ends. Rounds
 take ~17 s each (the ranks are given 600 s in all: keep ``--rounds`` under ~30).
+
+``--calls`` counts what the interpreter runs a step on rank 0, thread by thread, for DDP and
+for asyncddp on the MLP: the Python functions called and the C functions (builtins, torch's
+bindings) called from Python, through ``sys.setprofile``. A count, not a clock: it does not move
+with the machine's load, as the timings above do, so it shows what asyncddp's own work a step is
+beside DDP's and whether a change adds to it. The counter slows every call it sees, so nothing
+is timed meanwhile. A coroutine's or generator's resumption counts as a call, and the count
+includes the counted fit's start and end (asyncddp's second ``fit``, DDP's second pass).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import statistics
+import sys
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -86,6 +100,7 @@ from throughput import (
     run_two_ranks,
     spent_a_step,
     step,
+    train,
     worker_slice,
 )
 
@@ -469,6 +484,147 @@ def loop_turn(steps: int, rounds: int, turn_us: float) -> None:
         )
 
 
+class _CallCounter:
+    """A ``sys.setprofile`` function that counts calls by the kind of thread making them:
+    ``step`` (the thread that trains), ``loop`` (the event loop's), ``other``."""
+
+    def __init__(self, main_kind: str) -> None:
+        self.calls: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.functions: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.counting = False
+        self._main_kind = main_kind
+
+    def _kind(self) -> str:
+        thread = threading.current_thread()
+        if thread is threading.main_thread():
+            return self._main_kind
+        return "step" if thread.name.startswith("asyncddp-worker") else "other"
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if not self.counting:
+            return
+        if event == "call":
+            kind = self._kind()
+            self.calls[kind, "Python"] += 1
+            code = frame.f_code
+            self.functions[kind, f"{Path(code.co_filename).name}:{code.co_name}"] += 1
+        elif event == "c_call":
+            self.calls[self._kind(), "C"] += 1
+
+    def install(self) -> None:
+        """On this thread, and on every thread started from now on."""
+        sys.setprofile(self)
+        threading.setprofile(self)
+
+    def remove(self) -> None:
+        self.counting = False
+        sys.setprofile(None)
+        threading.setprofile(None)  # not on threads started meanwhile: `counting` stops those
+
+
+CALLS_CONTENDERS = ("ddp-gloo-2", "asyncddp-2proc", "asyncddp-2proc atomic_steps=False")
+
+
+def _calls_rank(
+    rank: int, port: int, contender: str, workload: str, steps: int, results: Any
+) -> None:
+    torch.set_num_threads(1)
+    make, shape = MODELS[workload]
+    counter = _CallCounter("step" if contender == "ddp-gloo-2" else "loop")
+    if contender == "ddp-gloo-2":
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+        )
+        try:
+            torch.manual_seed(0)
+            model = DistributedDataParallel(make())
+            optimizer = SGD(model.parameters())
+            batches = [(x[rank::2], y[rank::2]) for x, y in make_batches(shape, steps)]
+            train(model, optimizer, batches)  # the warm-up, as the timed contenders' first pass
+            counter.install()
+            counter.counting = True
+            train(model, optimizer, batches)
+            counter.remove()
+        finally:
+            dist.destroy_process_group()
+    else:
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
+        asyncddp.distributed.init("gloo")
+        try:
+            halves = [
+                (x[part::2], y[part::2]) for x, y in make_batches(shape, steps) for part in range(2)
+            ]
+
+            async def run() -> None:
+                torch.manual_seed(0)
+                trainer = asyncddp.Trainer(
+                    make(),
+                    SGD,
+                    step,
+                    devices="cpu",
+                    progress_bar=False,
+                    atomic_steps=contender == "asyncddp-2proc",
+                )
+                counter.install()  # before the worker starts, in the first fit
+                await trainer.fit(halves, epochs=1)  # the warm-up
+                counter.counting = True
+                await trainer.fit(halves, epochs=2)
+                counter.remove()
+
+            asyncio.run(run())
+        finally:
+            asyncddp.distributed.destroy()
+    if rank == 0:
+        results.put((dict(counter.calls), dict(counter.functions)))
+
+
+def _count_cell(value: float | None, width: int) -> str:
+    return f"{value:>{width}.0f}" if value is not None else f"{'-':>{width}}"
+
+
+def calls(workload: str, steps: int, top: int) -> None:
+    print(
+        f"calls a step on rank 0, by thread ({workload}, 2 processes x 1 CPU device, gloo, "
+        f"{steps} steps counted; Python: functions, a coroutine's resumption included; C: "
+        "builtins and torch's bindings called from Python)"
+    )
+    print(
+        f"  {'':<34} {'the thread that trains':>22} {'the event loop':>16} {'other':>8}"
+        f" {'all':>7}\n  {'':<34} {'Python':>11} {'C':>10} {'Python':>8} {'C':>7} {'':>8}"
+    )
+    rows = {}
+    for contender in CALLS_CONTENDERS:
+        counted, functions = run_two_ranks(
+            _calls_rank, contender, workload, steps, name=f"{contender} (calls)"
+        )
+        rows[contender] = functions
+        a_step = {key: value / steps for key, value in counted.items()}
+        cells = [
+            _count_cell(a_step.get((kind, language)), width)
+            for kind, language, width in (
+                ("step", "Python", 11),
+                ("step", "C", 10),
+                ("loop", "Python", 8),
+                ("loop", "C", 7),
+            )
+        ]
+        other = a_step.get(("other", "Python"), 0.0) + a_step.get(("other", "C"), 0.0)
+        print(f"  {contender:<34} {' '.join(cells)} {other:>8.0f} {sum(a_step.values()):>7.0f}")
+    functions = rows["asyncddp-2proc"]
+    for kind, label in (("step", "the thread that trains"), ("loop", "the event loop")):
+        mine = sorted(
+            ((count, name) for (where, name), count in functions.items() if where == kind),
+            reverse=True,
+        )[:top]
+        listed = ", ".join(f"{name} {count / steps:.0f}" for count, name in mine)
+        print(f"  asyncddp-2proc, {label}, its {top} most called a step: {listed}")
+
+
 NO_BACKUP = "asyncddp-2proc atomic_steps=False"
 HANDED_OFF = "ddp-gloo-2 handed off"
 BACKED_UP = "ddp-gloo-2 handed off + backup"
@@ -505,6 +661,11 @@ def main() -> None:
         help="asyncddp's ranks with their workers at the default and at the long scheduler slice",
     )
     parser.add_argument(
+        "--calls",
+        action="store_true",
+        help="count the Python and C calls a step, thread by thread, of DDP and asyncddp",
+    )
+    parser.add_argument(
         "--turn-us",
         type=float,
         default=370.0,
@@ -519,6 +680,9 @@ def main() -> None:
     if args.slice_cost:  # at least 8 rounds of 300 steps (unless --quick)
         steps, rounds = (8, 1) if args.quick else (max(args.steps, 300), max(args.rounds, 8))
         slice_cost(steps, rounds)
+        return
+    if args.calls:  # 100 steps unless --steps says more (or --quick less)
+        calls("mlp 512-1024-10", 8 if args.quick else max(args.steps, 100), top=8)
         return
     if args.quick:
         args.steps, args.rounds = 8, 1
