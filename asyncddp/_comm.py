@@ -573,8 +573,11 @@ class Comm:
         return self._packed
 
     def _packable(self) -> bool:
+        # The gradients are joined to the header on the CPU: not a GPU's (gloo takes them
+        # where they are, in buckets of their own), as the ranks' devices are of one kind.
         return (
             self._wire.type == "cpu"
+            and all(device.type == "cpu" for device in self.devices)
             and bool(self.layout)
             and sum(n for n, _ in self.layout) <= PACK_ELEMENTS
             and all(dtype.is_floating_point for _, dtype in self.layout)

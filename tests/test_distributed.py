@@ -1115,6 +1115,20 @@ def test_a_trainer_on_the_cpu_in_an_nccl_group_says_what_to_do(
         Comm(asyncddp.cpu_devices(1), 1, {"model": "model"})
 
 
+def test_a_small_models_gradients_travel_in_the_header_on_cpus_only() -> None:
+    # They are joined to the header on the CPU: a GPU's stay in buckets of their own (gloo
+    # takes them where they are), or torch.cat would refuse tensors on two devices.
+    from asyncddp._comm import Comm
+    from asyncddp._devices import Device
+
+    gpu = Device(index=0, torch_device=torch.device("cuda", 0), name="cuda:0")
+    with one_rank_group():
+        for devices, packable in ((asyncddp.cpu_devices(1), True), ((gpu,), False)):
+            comm = Comm(devices, 2, {"model": "model"})
+            comm.layout = [(100, torch.float32), (10, torch.float32)]
+            assert comm._packable() is packable
+
+
 # -- each rank's part of the data, without processes ---------------------------------------------
 
 
