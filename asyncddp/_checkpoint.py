@@ -529,7 +529,11 @@ def restore_rng(state: dict[str, Any], data: object = None) -> None:
     kind, keys, *rest = state["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # One state a GPU that was visible when it was saved: a machine that shows fewer (a
+        # resume on another node, another CUDA_VISIBLE_DEVICES) takes those it has, where
+        # torch would fail on the first it lacks, and every later CUDA call of the process
+        # with it (the call is queued until CUDA starts).
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
     if data is not None and state.get("loaders"):
         restore_loader_rng(data, state["loaders"])
 

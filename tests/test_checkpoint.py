@@ -620,3 +620,22 @@ async def test_fit_removes_the_temporary_files_of_checkpoint_writes_a_killed_pro
     assert not left.exists()
     assert fresh.exists()
     assert other.exists()
+
+
+def test_a_checkpoint_from_a_machine_with_more_gpus_restores_the_generators_of_those_here(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A checkpoint holds one generator state a visible GPU. Resumed where fewer are visible
+    # (another node, another CUDA_VISIBLE_DEVICES), torch's set_rng_state_all fails on the
+    # first it lacks, and, queued until CUDA starts, every later CUDA call of the process.
+    from asyncddp import _checkpoint
+
+    restored: list[list[torch.Tensor]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: restored.append(states))
+    state = _checkpoint.capture_rng()
+    saved = [torch.full((16,), 1, dtype=torch.uint8), torch.full((16,), 2, dtype=torch.uint8)]
+    _checkpoint.restore_rng({**state, "cuda": saved})
+    assert len(restored) == 1
+    assert [s.tolist() for s in restored[0]] == [saved[0].tolist()]
