@@ -212,14 +212,20 @@ def move_to(value: Any, device: torch.device, *, non_blocking: bool = False) -> 
 
 
 def holds_cuda(value: Any) -> bool:
-    """Whether ``value`` holds a tensor on a GPU (in the containers `move_to` walks)."""
+    """Whether ``value`` may hold a tensor on a GPU: a tensor on one, in the containers
+    `move_to` walks, or any other object (a dataclass, a graph library's batch), whose tensors
+    it cannot see. Plain values (numbers, strings, bytes, ``None``) hold none."""
     if isinstance(value, torch.Tensor):
         return value.is_cuda
     if isinstance(value, Mapping):
         return any(holds_cuda(item) for item in value.values())
     if isinstance(value, (tuple, list)):
         return any(holds_cuda(item) for item in value)
-    return False
+    return not isinstance(value, _PLAIN)
+
+
+#: Values that hold no tensor.
+_PLAIN = (int, float, complex, str, bytes, type(None))
 
 
 def pin(value: Any) -> Any:

@@ -455,7 +455,8 @@ class Jobs:
         # One GPU in one process: the step may report while its stream still runs the
         # backward's tail and the optimizer step (see below). Not with a batch that is on a GPU
         # already: its tensors come from elsewhere (another stream, another allocator, a
-        # buffer the loader fills again), and the tail reads them.
+        # buffer the loader fills again), and the tail reads them; nor with one that may be
+        # (an object whose tensors move_to does not see).
         early = meeting is None and not holds_cuda(work.train.shard)  # (on a CPU: no stream)
         try:
             sums = self.train(ctx, work.train, early_read=early)

@@ -309,3 +309,22 @@ def test_a_batch_count_is_given_only_where_it_is_exact() -> None:
     assert batch_count(rank_view(DataLoader(dataset, batch_size=4), 1, 2, seed=0)) == 1
     assert batch_count(DataLoader(dataset, batch_size=4, sampler=Evens())) is None
     assert batch_count(iter([1, 2])) is None
+
+
+def test_a_batch_may_hold_a_gpu_tensor_unless_every_part_of_it_is_seen() -> None:
+    # On a lone GPU a step reports with its backward still queued, unless its batch is on a
+    # GPU already (the backward reads tensors another stream made): a batch whose tensors
+    # asyncddp cannot see (a dataclass, a graph library's batch) may be, so it is not early.
+    import dataclasses
+
+    from asyncddp._data import holds_cuda
+
+    @dataclasses.dataclass
+    class Batch:
+        inputs: torch.Tensor
+
+    cpu = torch.zeros(2, 3)
+    assert not holds_cuda((cpu, {"mask": cpu, "note": "text", "n": 2, "w": 0.5}, [None, b""]))
+    assert holds_cuda(Batch(cpu))
+    assert holds_cuda((cpu, Batch(cpu)))
+    assert holds_cuda({"graph": object()})
