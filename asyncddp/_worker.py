@@ -299,6 +299,16 @@ class DeviceWorker:
                     result = context.run(fn, *args)
             else:
                 result = context.run(fn, *args)
+        except BaseException:
+            if self.stream is not None:
+                # A failed job is done only when the kernels it queued are too, as a job that
+                # returns (the caller may free what they read). Its own error is the one to
+                # raise: one of those kernels' (a CUDA error) comes back at the next CUDA call.
+                try:
+                    self.stream.synchronize()
+                except Exception:
+                    _log.debug("asyncddp worker for %s: a failed job's stream", self.device)
+            raise
         finally:
             _running.ctx = None
         if self.stream is not None:

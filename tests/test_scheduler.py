@@ -602,6 +602,34 @@ def test_a_job_waits_for_its_stream_unless_it_leaves_it_running() -> None:
     leave_stream_running()  # outside a job: nothing to leave running, and no error
 
 
+def test_a_job_that_raises_waits_for_its_stream_and_raises_its_own_error() -> None:
+    # Done only when its kernels are, as a job that returns: the caller may free what they
+    # read. A CUDA error of theirs is not the job's error (it comes back at the next call).
+    worker = DeviceWorker(cpu_devices(1)[0])  # not started: invoke runs on this thread
+    stream = CountingStream()
+    worker.stream = stream  # type: ignore[assignment]
+    ctx = WorkerContext(worker.device, None, 0, "train")
+    state = CallerState.capture("cpu")
+
+    def fails(ctx: WorkerContext) -> None:
+        leave_stream_running()  # a failed job leaves nothing running, whatever it said
+        raise ValueError("the job's own")
+
+    with pytest.raises(ValueError, match="the job's own"):
+        worker.invoke(state, contextvars.copy_context(), fails, ctx)
+    assert (stream.waits, worker.stream_left_running) == (1, False)
+
+    class FailingStream(CountingStream):
+        def synchronize(self) -> None:
+            super().synchronize()
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    worker.stream = failing = FailingStream()  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="the job's own"):
+        worker.invoke(state, contextvars.copy_context(), fails, ctx)
+    assert failing.waits == 1
+
+
 async def test_finish_stream_work_waits_for_what_the_last_jobs_left_running() -> None:
     async with StepScheduler(cpu_devices(2)) as scheduler:
         streams = [CountingStream(), CountingStream()]
