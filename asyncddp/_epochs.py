@@ -40,6 +40,7 @@ from ._loader import ENDED, GAVE_UP, Prefetcher, after_left_behind
 from ._progress import ProgressTracker
 from ._ranks import batch_count, in_memory, rank_items_total_off_loop
 from ._replica import Replica
+from ._scheduler import StepScheduler
 from ._steps import Window, shard_items
 from ._sync import group_settings, restore_group_settings
 
@@ -450,6 +451,18 @@ class Epochs(DistributedSteps):
             self._epoch_seconds,
         )
 
+    async def _finish_streams(self, scheduler: StepScheduler) -> None:
+        """Wait for the kernels a lone GPU's last step left running (see
+        ``Jobs.train_and_step``) as a step waits for its own (up to ``step_timeout``): closing
+        the workers waits at most ``drain_timeout``, and ``trainer.model`` is read once the
+        session ends. An error of theirs (an asynchronous CUDA error) raises, as the step's."""
+        epoch = self.epoch - 1 if self._batches_done == 0 and self.epoch else self.epoch
+        try:
+            await scheduler._finish_stream_work(step=max(self.global_step - 1, 0), epoch=epoch)
+        except WorkerFailedError as error:
+            self._publish_failure(error, "raise")
+            raise
+
     async def _end_epoch(self, valid_data: Iterable[Any] | None) -> EpochRecord:
         """Validate, step the epoch's LR schedulers and close the epoch: once, even if cancelled
         and called again."""
@@ -458,6 +471,12 @@ class Epochs(DistributedSteps):
             record = dataclasses.replace(
                 record, valid_metrics=await self._validate(valid_data, epoch=record.epoch)
             )
+        stepping = any(replica.scheduler is not None for replica in self._replicas)
+        if stepping and self._scheduler is not None and self.lr_scheduler_interval == "epoch":
+            # The epoch's last step may have left its optimizer step queued on a lone GPU: the
+            # LR step, on this thread's stream, must not write a hyperparameter that is a
+            # tensor on the GPU (a capturable or fused optimizer's) before that step reads it.
+            await self._finish_streams(self._scheduler)
         assert self._step_lock is not None
         async with self._step_lock:
             # No await in here: the LR step and the move to the next epoch are one.

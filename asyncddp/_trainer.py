@@ -872,18 +872,6 @@ class Trainer(Resumable):
                 self._consistent = False
         self._queued_undos.clear()
 
-    async def _finish_streams(self, scheduler: StepScheduler) -> None:
-        """Wait for the kernels a lone GPU's last step left running (see
-        ``Jobs.train_and_step``) as a step waits for its own (up to ``step_timeout``): closing
-        the workers waits at most ``drain_timeout``, and ``trainer.model`` is read once the
-        session ends. An error of theirs (an asynchronous CUDA error) raises, as the step's."""
-        epoch = self.epoch - 1 if self._batches_done == 0 and self.epoch else self.epoch
-        try:
-            await scheduler._finish_stream_work(step=max(self.global_step - 1, 0), epoch=epoch)
-        except WorkerFailedError as error:
-            self._publish_failure(error, "raise")
-            raise
-
     @property
     def precision(self) -> str:
         """The precision the Trainer was built with (``"32"``, ``"bf16"``, ``"fp16"``...)."""

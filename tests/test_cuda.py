@@ -289,6 +289,33 @@ async def test_a_step_on_one_gpu_reports_before_its_kernels_end_and_loses_nothin
     assert_close(on_cpu(trainer.model), on_cpu(model), 1e-5)
 
 
+async def test_an_epochs_lr_step_waits_for_the_optimizer_step_its_last_step_left_queued() -> None:
+    # A capturable Adam's learning rate is a tensor on the GPU, read by its step's kernels,
+    # which the epoch's last step leaves queued behind its slow backward: the LR step (in place,
+    # on the event loop's stream) must not halve it before they read it.
+    def adam(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.Adam(params, lr=torch.tensor(0.01, device=GPU), capturable=True)
+
+    def halve(optimizer: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    batches = make_batches([32] * 3)
+    model = make_model().to(GPU)
+    opt = adam(model.parameters())
+    schedule = halve(opt)
+    for _ in range(2):
+        for inputs, targets in batches:
+            opt.zero_grad()
+            loss_step(model, (inputs.to(GPU), targets.to(GPU))).backward()
+            opt.step()
+        schedule.step()
+    trainer = Trainer(
+        make_model(), adam, slow_step, devices=GPU, lr_scheduler=halve, progress_bar=False
+    )
+    await running_when_reported(trainer, batches, 2)
+    assert_close(on_cpu(trainer.model), on_cpu(model), 1e-5)
+
+
 async def test_a_step_on_batches_already_on_the_gpu_waits_for_its_kernels() -> None:
     # Such a batch comes from elsewhere (another stream, another allocator, a buffer the
     # loader fills again) and the backward reads it: its step reports once its kernels end.

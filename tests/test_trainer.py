@@ -397,6 +397,37 @@ async def test_lr_scheduler_steps_like_the_plain_loop(interval: str) -> None:
     assert trainer._replicas[1].optimizer.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
 
 
+async def test_an_epochs_lr_step_comes_after_the_kernels_its_last_step_left_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On a lone GPU the epoch's last step may report with its optimizer step still queued,
+    # reading the learning rate; a tensor one on the GPU (a capturable or fused optimizer's) is
+    # written in place by the LR step, on the event loop's stream: after those kernels end.
+    # (tests/test_cuda.py has this on a GPU; here, the order of the two.)
+    order: list[str] = []
+    finish = Trainer._finish_streams
+
+    async def finishing(self: Trainer, scheduler: Any) -> None:
+        order.append("finish")
+        await finish(self, scheduler)
+
+    monkeypatch.setattr(Trainer, "_finish_streams", finishing)
+
+    def schedule(optimizer: torch.optim.Optimizer) -> Any:
+        class Noted(torch.optim.lr_scheduler.StepLR):
+            def step(self, epoch: Any = None) -> None:
+                order.append("lr" if self.last_epoch >= 0 else "made")  # made: its first
+                super().step()
+
+        return Noted(optimizer, step_size=1, gamma=0.5)
+
+    trainer = Trainer(
+        make_model(), SGD, loss_step, devices="cpu", lr_scheduler=schedule, progress_bar=False
+    )
+    await trainer.fit(make_batches([4, 4]), epochs=2)
+    assert order == ["made", "finish", "lr", "finish", "lr", "finish"]  # the last: the session's
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 async def test_mixed_precision_trains(precision: str) -> None:
     batches = make_batches([16] * 6)
