@@ -291,10 +291,16 @@ async def test_a_step_on_one_gpu_reports_before_its_kernels_end_and_loses_nothin
 
 async def test_an_epochs_lr_step_waits_for_the_optimizer_step_its_last_step_left_queued() -> None:
     # A capturable Adam's learning rate is a tensor on the GPU, read by its step's kernels,
-    # which the epoch's last step leaves queued behind its slow backward: the LR step (in place,
-    # on the event loop's stream) must not halve it before they read it.
+    # which the epoch's last step leaves queued (here behind a long kernel of their own: the
+    # rate's read on the host, for the step's report, waits for the backward, not for them):
+    # the LR step (in place, on the event loop's stream) must not halve it before they read it.
+    class Slow(torch.optim.Adam):
+        def step(self, closure: Any = None) -> Any:
+            torch.cuda._sleep(3 * LATE_CYCLES)  # ~0.15 s of the worker's stream
+            return super().step(closure)
+
     def adam(params: Any) -> torch.optim.Optimizer:
-        return torch.optim.Adam(params, lr=torch.tensor(0.01, device=GPU), capturable=True)
+        return Slow(params, lr=torch.tensor(0.01, device=GPU), capturable=True)
 
     def halve(optimizer: torch.optim.Optimizer) -> Any:
         return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
@@ -310,9 +316,9 @@ async def test_an_epochs_lr_step_waits_for_the_optimizer_step_its_last_step_left
             opt.step()
         schedule.step()
     trainer = Trainer(
-        make_model(), adam, slow_step, devices=GPU, lr_scheduler=halve, progress_bar=False
+        make_model(), adam, loss_step, devices=GPU, lr_scheduler=halve, progress_bar=False
     )
-    await running_when_reported(trainer, batches, 2)
+    await trainer.fit(batches, epochs=2)
     assert_close(on_cpu(trainer.model), on_cpu(model), 1e-5)
 
 
