@@ -12,6 +12,7 @@ import copy
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sized
 from typing import Any, cast
 
+import numpy as np
 import torch
 
 from ._exceptions import DataError
@@ -214,7 +215,7 @@ def move_to(value: Any, device: torch.device, *, non_blocking: bool = False) -> 
 def holds_cuda(value: Any) -> bool:
     """Whether ``value`` may hold a tensor on a GPU: a tensor on one, in the containers
     `move_to` walks, or any other object (a dataclass, a graph library's batch), whose tensors
-    it cannot see. Plain values (numbers, strings, bytes, ``None``) hold none."""
+    it cannot see. Plain values (numbers, strings, bytes, ``None``, NumPy's) hold none."""
     if isinstance(value, torch.Tensor):
         return value.is_cuda
     if isinstance(value, Mapping):
@@ -224,8 +225,8 @@ def holds_cuda(value: Any) -> bool:
     return not isinstance(value, _PLAIN)
 
 
-#: Values that hold no tensor.
-_PLAIN = (int, float, complex, str, bytes, type(None))
+#: Values that hold no tensor (NumPy's arrays and scalars live on the host).
+_PLAIN = (int, float, complex, str, bytes, type(None), np.ndarray, np.generic)
 
 
 def pin(value: Any) -> Any:

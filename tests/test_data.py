@@ -6,6 +6,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping, MutableMapping
 
 import anyio
+import numpy as np
 import pytest
 import torch
 
@@ -325,6 +326,7 @@ def test_a_batch_may_hold_a_gpu_tensor_unless_every_part_of_it_is_seen() -> None
 
     cpu = torch.zeros(2, 3)
     assert not holds_cuda((cpu, {"mask": cpu, "note": "text", "n": 2, "w": 0.5}, [None, b""]))
+    assert not holds_cuda({"ids": np.arange(3), "count": np.int64(3)})
     assert holds_cuda(Batch(cpu))
     assert holds_cuda((cpu, Batch(cpu)))
     assert holds_cuda({"graph": object()})
