@@ -578,12 +578,18 @@ class CountingStream:
         self.waits += 1
 
 
-def test_a_job_waits_for_its_stream_unless_it_leaves_it_running() -> None:
-    worker = DeviceWorker(cpu_devices(1)[0])  # not started: invoke runs on this thread
+def unstarted_worker() -> tuple[DeviceWorker, CountingStream, WorkerContext, CallerState]:
+    """A CPU worker not started (`invoke` runs on the caller's thread) with a stand-in stream,
+    a job's context and the caller's state."""
+    worker = DeviceWorker(cpu_devices(1)[0])
     stream = CountingStream()
     worker.stream = stream  # type: ignore[assignment]
     ctx = WorkerContext(worker.device, None, 0, "train")
-    state = CallerState.capture("cpu")
+    return worker, stream, ctx, CallerState.capture("cpu")
+
+
+def test_a_job_waits_for_its_stream_unless_it_leaves_it_running() -> None:
+    worker, stream, ctx, state = unstarted_worker()
 
     def ordinary(ctx: WorkerContext) -> str:
         return "done"
@@ -605,11 +611,7 @@ def test_a_job_waits_for_its_stream_unless_it_leaves_it_running() -> None:
 def test_a_job_that_raises_waits_for_its_stream_and_raises_its_own_error() -> None:
     # Done only when its kernels are, as a job that returns: the caller may free what they
     # read. A CUDA error of theirs is not the job's error (it comes back at the next call).
-    worker = DeviceWorker(cpu_devices(1)[0])  # not started: invoke runs on this thread
-    stream = CountingStream()
-    worker.stream = stream  # type: ignore[assignment]
-    ctx = WorkerContext(worker.device, None, 0, "train")
-    state = CallerState.capture("cpu")
+    worker, stream, ctx, state = unstarted_worker()
 
     def fails(ctx: WorkerContext) -> None:
         leave_stream_running()  # a failed job leaves nothing running, whatever it said
