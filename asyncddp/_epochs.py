@@ -99,6 +99,7 @@ class Epochs(DistributedSteps):
     _epoch_items: dict[str, int]
     _epoch_seconds: float
     _epoch_trained: bool
+    _valid_rng: dict[str, Any] | None
     _stop_reason: str | None
     _step_lock: anyio.Lock | None
     _window_locked: bool  # the step lock is held for an optimizer step of several micro-steps
@@ -468,6 +469,14 @@ class Epochs(DistributedSteps):
         and called again."""
         record = self._epoch_record(self.epoch)
         if valid_data is not None:
+            # A validation cut short (a cancellation before the epoch closed) runs again in
+            # the next fit: from the same generators' states, so that what it draws (a
+            # DataLoader draws its seed in iter(), from torch's generator or its own) is drawn
+            # once, and the next epoch draws as it would have.
+            if self._valid_rng is None:
+                self._valid_rng = _checkpoint.capture_rng(valid_data)
+            else:
+                _checkpoint.restore_rng(self._valid_rng, valid_data)
             record = dataclasses.replace(
                 record, valid_metrics=await self._validate(valid_data, epoch=record.epoch)
             )
@@ -491,6 +500,7 @@ class Epochs(DistributedSteps):
             self.history.append(record)
             self.epoch += 1
             self._batches_done, self._epoch_rng, self._epoch_trained = 0, None, False
+            self._valid_rng = None
             self._batches_loaded, self._left_loading = None, None
             self._epoch_sums, self._epoch_items, self._epoch_seconds = Sums(), {}, 0.0
             # Across ranks, rank 0 writes. Owed until written: a fit cancelled, or a write

@@ -61,6 +61,7 @@ class Resumable(Epochs):
             "epoch_rng": self._epoch_rng,
             "loader_rng": self._loader_rng,
             "epoch_trained": self._epoch_trained,
+            "valid_rng": self._valid_rng,
             "epoch_sums": _sums_dict(self._epoch_sums),
             "epoch_items": dict(self._epoch_items),
             "epoch_seconds": self._epoch_seconds,
@@ -94,6 +95,7 @@ class Resumable(Epochs):
         # loader has them.
         self._loader_rng = self._resumed_loader_rng = state.get("loader_rng")
         self._epoch_trained = bool(state.get("epoch_trained", False))
+        self._valid_rng = state.get("valid_rng")  # absent from earlier versions' checkpoints
         self._checkpoint_owed = False  # of the state this one replaces
         self._epoch_sums = Sums(**state["epoch_sums"]) if state.get("epoch_sums") else Sums()
         self._epoch_items = dict(state.get("epoch_items") or {})

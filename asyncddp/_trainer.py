@@ -351,6 +351,7 @@ class Trainer(Resumable):
         self._epoch_items: dict[str, int] = {}  # items of the epoch so far, by device
         self._epoch_seconds = 0.0
         self._epoch_trained = False  # all batches done; validation and the epoch's end pending
+        self._valid_rng: dict[str, Any] | None = None  # what the epoch's validation started from
         self._checkpoint_owed = False  # the epoch closed, its checkpoint not written yet
         self._items_trained = 0  # by every step taken, in all calls (items_per_second)
         self._replicas: list[Replica] = []

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler
 
-from asyncddp import FitStarted, StepEnded, Trainer, cpu_devices
+from asyncddp import EpochEnded, FitStarted, StepEnded, Trainer, cpu_devices
 
 pytestmark = pytest.mark.anyio
 
@@ -588,3 +588,89 @@ def test_epoch_sums_saved_without_metric_counts_keep_them_over_the_items_so_far(
     loaded = Sums(**state)
     loaded.add(Sums(8, 7.0, {}))
     assert loaded.means() == {"m": 1.0}
+
+
+# -- a validation cut short --------------------------------------------------------------------
+
+
+def valid_step(model: nn.Module, batch: Any) -> torch.Tensor:
+    time.sleep(0.05)  # long enough for a consumer of EpochEnded to cancel the fit meanwhile
+    inputs, targets, _ = batch
+    return F.mse_loss(model(inputs), targets)
+
+
+def validating_trainer(recorder: Recorder) -> Trainer:
+    torch.manual_seed(0)
+    trainer = Trainer(
+        nn.Linear(FEATURES, 1),
+        SGD,
+        recorder,
+        valid_step=valid_step,
+        devices=cpu_devices(1),  # one worker: the order of the recorded samples is the order
+        progress_bar=False,
+    )
+    recorder.trainer = trainer
+    return trainer
+
+
+def shuffled_and_valid() -> tuple[DataLoader[Any], DataLoader[Any]]:
+    # Iterating either DataLoader draws its seed from torch's generator (neither has its own).
+    return DataLoader(Numbered(), batch_size=4, shuffle=True), DataLoader(Numbered(), batch_size=8)
+
+
+async def fit_cancelled_in_validation(trainer: Trainer, *, epochs: int) -> None:
+    """``fit``, cancelled from the consumer of epoch 0's ``EpochEnded``: in its validation."""
+    train, valid = shuffled_and_valid()
+    stream = trainer.events()
+    with anyio.CancelScope() as scope:
+
+        async def canceller() -> None:
+            async for event in stream:
+                if isinstance(event, EpochEnded) and event.epoch == 0:
+                    scope.cancel()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(canceller)
+            await trainer.fit(train, epochs=epochs, valid_data=valid)
+    assert scope.cancelled_caught
+    assert (trainer.epoch, trainer._epoch_trained) == (0, True)  # validation and close pending
+
+
+async def uninterrupted_with_validation(epochs: int) -> tuple[torch.Tensor, list[int]]:
+    torch.manual_seed(3)
+    recorder = Recorder()
+    trainer = validating_trainer(recorder)
+    train, valid = shuffled_and_valid()
+    await trainer.fit(train, epochs=epochs, valid_data=valid)
+    return parameters(trainer), recorder.seen[1]
+
+
+async def test_a_validation_cut_short_runs_again_as_if_once() -> None:
+    # The next fit validates again before it closes the epoch: from the generators' states the
+    # first validation began with, or the next epoch's shuffle comes out another order.
+    expected, order = await uninterrupted_with_validation(2)
+    torch.manual_seed(3)
+    recorder = Recorder()
+    trainer = validating_trainer(recorder)
+    await fit_cancelled_in_validation(trainer, epochs=2)
+    train, valid = shuffled_and_valid()
+    await trainer.fit(train, epochs=2, valid_data=valid)
+    assert recorder.seen[1] == order
+    torch.testing.assert_close(parameters(trainer), expected, rtol=0, atol=0)
+
+
+async def test_a_checkpoint_taken_after_a_validation_cut_short_resumes_as_if_once(
+    tmp_path: Any,
+) -> None:
+    expected, order = await uninterrupted_with_validation(2)
+    torch.manual_seed(3)
+    first = validating_trainer(Recorder())
+    await fit_cancelled_in_validation(first, epochs=2)
+    path = await first.save_checkpoint(tmp_path / "cut-short.ckpt")
+    torch.manual_seed(999)
+    recorder = Recorder()
+    resumed = validating_trainer(recorder)
+    train, valid = shuffled_and_valid()
+    await resumed.fit(train, epochs=2, valid_data=valid, resume=path)
+    assert recorder.seen[1] == order
+    torch.testing.assert_close(parameters(resumed), expected, rtol=0, atol=0)
