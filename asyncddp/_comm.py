@@ -265,6 +265,19 @@ def _weakly(group: Any) -> weakref.ref[Any] | None:
     return None if group is None else weakref.ref(group)
 
 
+def bucket_devices(
+    count: int, devices: Sequence[Device], wire: torch.device, backend: str
+) -> list[torch.device]:
+    """Where each of a step's ``count`` gradient buckets lives (see `bucket_layout`: each
+    device's chunks in turn): NCCL matches a collective on each GPU's communicator, so a rank
+    joining with zero buckets makes each where the real one is; gloo matches by order alone,
+    and takes them on ``wire``."""
+    if backend != "nccl" or len(devices) == 1:
+        return [wire] * count
+    per = count // len(devices)
+    return [devices[index // per].torch_device for index in range(count)]
+
+
 class Comm:
     """This process's view of the process group, for one trainer (whose collectives run on
     asyncddp's own group, `own_group`).
@@ -705,7 +718,11 @@ class Comm:
 
     def _join_buckets(self, wait: datetime.timedelta | None) -> None:
         """All-reduce zero buckets of a step's layout, with the ranks that sent theirs."""
-        dummies = [torch.zeros(n, dtype=t, device=self._wire) for n, t in self.layout]
+        places = bucket_devices(len(self.layout), self.devices, self._wire, self.backend)
+        dummies = [
+            torch.zeros(n, dtype=t, device=place)
+            for (n, t), place in zip(self.layout, places, strict=True)
+        ]
         try:
             for work in self._issue(dummies):
                 if wait is None:

@@ -1129,6 +1129,23 @@ def test_a_small_models_gradients_travel_in_the_header_on_cpus_only() -> None:
             assert comm._packable() is packable
 
 
+def test_a_rank_joining_a_step_makes_each_zero_bucket_where_the_real_one_is() -> None:
+    # A rank that fails, or is out of step, sends zero buckets in the others' exchange. NCCL
+    # matches each collective on its GPU's communicator: with several GPUs a rank, each bucket
+    # (every device's chunks in turn) goes where that device's is. Gloo matches by order.
+    from asyncddp._comm import bucket_devices
+    from asyncddp._devices import Device
+
+    gpus = [Device(index=i, torch_device=torch.device("cuda", i), name=f"cuda:{i}") for i in (0, 1)]
+    wire = torch.device("cuda", 0)
+    assert (
+        bucket_devices(4, gpus, wire, "nccl")
+        == [gpus[0].torch_device] * 2 + [gpus[1].torch_device] * 2
+    )
+    assert bucket_devices(2, gpus[:1], wire, "nccl") == [wire] * 2
+    assert bucket_devices(4, gpus, torch.device("cpu"), "gloo") == [torch.device("cpu")] * 4
+
+
 # -- each rank's part of the data, without processes ---------------------------------------------
 
 
