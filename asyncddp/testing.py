@@ -58,12 +58,45 @@ def _injected(message: str, device_index: int, step: int) -> InjectedFailure:
     return InjectedFailure(message, device_index=device_index, step=step)
 
 
+class _Budget:
+    """How many more times a fault fires (``None``: every time it matches); thread-safe, as
+    several workers may meet it at once."""
+
+    def __init__(self, times: int | None) -> None:
+        if times is not None and (isinstance(times, bool) or not isinstance(times, int)):
+            raise TypeError(f"times must be an int or None, got {times!r}")
+        if times is not None and times < 1:
+            raise ValueError(f"times must be at least 1 (or None: every time), got {times}")
+        self._left = times
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        """Whether the fault fires now (and one fewer is left)."""
+        if self._left is None:
+            return True
+        with self._lock:
+            if self._left == 0:
+                return False
+            self._left -= 1
+            return True
+
+
+def _check_device(device: object, *, names: bool) -> None:
+    kinds = (int, str) if names else (int,)
+    if isinstance(device, bool) or not isinstance(device, kinds):
+        what = "an index (1) or a name ('cpu#1')" if names else "an index (1)"
+        raise TypeError(f"device must be {what}, got {device!r}")
+    if isinstance(device, int) and device < 0:
+        raise ValueError(f"device must be an index from 0, got {device}")
+
+
 def fail_on(
     job: Callable[[WorkerContext, S], T],
     *,
     device: int,
     step: int | None = None,
     error: BaseException | None = None,
+    times: int | None = None,
 ) -> Callable[[WorkerContext, S], T]:
     """Wrap ``job`` so that it raises on device ``device`` (an index), at ``step`` or always.
 
@@ -72,10 +105,13 @@ def fail_on(
         device: The index of the device whose job fails.
         step: The step at which it fails; ``None`` fails at every step.
         error: What to raise; by default an `InjectedFailure`.
+        times: How many times it fails, then runs as usual; ``None``: every time.
     """
+    _check_device(device, names=False)
+    budget = _Budget(times)
 
     def failing(ctx: WorkerContext, shard: S) -> T:
-        if ctx.device.index == device and (step is None or ctx.step == step):
+        if ctx.device.index == device and (step is None or ctx.step == step) and budget.take():
             if error is not None:
                 raise error
             raise InjectedFailure(
@@ -149,6 +185,7 @@ def failing_step(
     at: int | None = None,
     where: Literal["forward", "backward", "metric"] = "forward",
     error: BaseException | None = None,
+    times: int | None = None,
 ) -> Callable[[Any, Any], Any]:
     """Wrap a trainer's ``step(model, batch)`` so that it fails on one device.
 
@@ -161,11 +198,23 @@ def failing_step(
         where: ``"forward"`` raises before returning; ``"backward"`` returns a loss whose
             backward pass raises; ``"metric"`` raises while computing a metric, after the loss.
         error: What to raise; by default an `InjectedFailure`.
+        times: How many times it fails, then runs as usual; ``None``: every time. A failed
+            step is taken again under the same number (by ``on_failure="retry"``, or by the
+            next ``fit``), so ``at=3`` alone fails that step every time it is tried;
+            ``times=1`` lets the run go on after it.
+
+    Raises:
+        ValueError: ``where`` is not one of the three, or ``times`` is below 1.
+        TypeError: ``device`` is neither an index nor a name.
     """
+    if where not in ("forward", "backward", "metric"):
+        raise ValueError(f"where must be 'forward', 'backward' or 'metric', got {where!r}")
+    _check_device(device, names=True)
+    budget = _Budget(times)
 
     def failing(model: Any, batch: Any) -> Any:
         ctx = _here(device, at)
-        if ctx is None:
+        if ctx is None or not budget.take():
             return step(model, batch)
         failure = error if error is not None else _injected_failure(ctx, where)
         if where == "forward":
@@ -208,12 +257,17 @@ def failing_optimizer(
     at: int | None = None,
     after_update: bool = True,
     error: BaseException | None = None,
+    times: int | None = None,
 ) -> Callable[[Any], torch.optim.Optimizer]:
     """Wrap an optimizer factory so that ``step()`` fails on one device, at one step.
 
     With ``after_update`` (the default) the optimizer first updates the parameters, then
-    raises: the worst case, a half-done step that must be undone.
+    raises: the worst case, a half-done step that must be undone. ``times``: how many times it
+    fails, then steps as usual (``None``: every time; see `failing_step`). The count is shared
+    by every optimizer the factory makes.
     """
+    _check_device(device, names=True)
+    budget = _Budget(times)
 
     def make(params: Any) -> torch.optim.Optimizer:
         optimizer = factory(params)
@@ -221,7 +275,7 @@ def failing_optimizer(
 
         def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             ctx = _here(device, at)
-            if ctx is None:
+            if ctx is None or not budget.take():
                 return original(*args, **kwargs)
             if after_update:
                 original(*args, **kwargs)

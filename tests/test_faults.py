@@ -595,3 +595,43 @@ async def test_a_step_retried_on_fewer_devices_with_whole_batches_is_one_mean(
         result = await trainer.fit(batches, epochs=1)
     assert result.global_step == len(groups)
     assert_params(trainer, plain_loop([[batches[i] for i in group] for group in groups]))
+
+
+# -- the helpers' own options -------------------------------------------------------------------
+
+
+async def test_a_fault_for_a_number_of_times_lets_the_next_fit_recover() -> None:
+    # A failed step is taken again under its number: times=1 fails it once, and the same
+    # trainer's next fit ends as a run that never failed (docs/faults.md's recovery test).
+    batches = make_batches(STEPS)
+    faulty = failing_step(step, device=1, at=3, times=1)
+    trainer = Trainer(
+        make_model(),
+        failing_optimizer(SGD, device=0, at=4, times=1),
+        faulty,
+        devices=cpu_devices(2),
+        progress_bar=False,
+    )
+    for failed_at, phase in ((3, "train"), (4, "optimizer")):
+        with pytest.raises(WorkerFailedError) as caught:
+            await trainer.fit(batches, epochs=1)
+        assert (caught.value.step, caught.value.phase) == (failed_at, phase)
+    await trainer.fit(batches, epochs=1)
+    assert trainer.global_step == STEPS
+    assert_params(trainer, plain_loop([[b] for b in batches]))
+
+
+def test_a_fault_that_could_never_fire_is_refused_where_it_is_made() -> None:
+    # A typo must not make a test that expects a failure pass by another way, or fail with
+    # pytest's "DID NOT RAISE" and no hint.
+    from asyncddp.testing import fail_on
+
+    with pytest.raises(ValueError, match="where must be"):
+        failing_step(step, device=1, where="Backward")  # type: ignore[arg-type]
+    for bad in (-1, True, 1.0):
+        with pytest.raises((TypeError, ValueError), match="device must be"):
+            failing_step(step, device=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="device must be an index"):
+        fail_on(lambda ctx, shard: None, device="cpu#1")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="times must be at least 1"):
+        failing_optimizer(SGD, device=0, times=0)
