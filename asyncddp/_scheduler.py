@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from threading import BrokenBarrierError
-from types import TracebackType
+from types import AsyncGeneratorType, CoroutineType, TracebackType
 from typing import Any, Generic, NoReturn, TypeVar, cast
 
 import anyio
@@ -190,9 +190,27 @@ def _execute(
 ) -> tuple[bool, Any]:
     # A failure's traceback starts in this frame, whose locals hold no reference to the step.
     try:
-        return True, worker.invoke(state, context, fn, ctx, shard)
+        value = worker.invoke(state, context, fn, ctx, shard)
     except BaseException as exc:
         return False, exc
+    if isinstance(value, (CoroutineType, AsyncGeneratorType)):
+        return False, _awaitable_returned(fn, value)
+    return True, value
+
+
+def _awaitable_returned(fn: Callable[..., Any], value: Any) -> TypeError:
+    """The error for a job that returned a coroutine or an async generator (a plain function
+    that called an ``async def`` without awaiting it): closed here, so that no "never
+    awaited" warning comes later, from wherever the collector happens to run."""
+    kind = "a coroutine" if isinstance(value, CoroutineType) else "an async generator"
+    if isinstance(value, CoroutineType):
+        value.close()
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    return TypeError(
+        f"the job {name} returned {kind}, which nothing will await: a job runs on each "
+        "device's worker thread, outside the event loop, so it must compute its result "
+        "itself (did it call an async function without awaiting it?)"
+    )
 
 
 class _Job:

@@ -218,6 +218,27 @@ async def test_an_async_job_is_refused_before_anything_runs() -> None:
         assert scheduler.progress.items_processed == 0
 
 
+async def test_a_job_that_returns_a_coroutine_fails_naming_it() -> None:
+    # A plain function that calls an async one without awaiting it: each worker returned a
+    # coroutine, given back as the step's outputs, and a "never awaited" warning came later.
+    async def compute(ctx: WorkerContext, shard: int) -> int:
+        return shard
+
+    async def numbers(ctx: WorkerContext, shard: int) -> Any:
+        yield shard
+
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        for job, kind in (
+            (lambda ctx, shard: compute(ctx, shard), "a coroutine"),
+            (lambda ctx, shard: numbers(ctx, shard), "an async generator"),
+        ):
+            with pytest.raises(WorkerFailedError) as caught:
+                await scheduler.run(job, [1, 2])
+            assert isinstance(caught.value.__cause__, TypeError)
+            assert f"returned {kind}, which nothing will await" in str(caught.value.__cause__)
+        assert (await scheduler.run(lambda ctx, shard: shard, [1, 2])).outputs == (1, 2)
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_under_ipykernel_a_callback_queued_without_a_wake_up_runs_during_a_long_step(
     monkeypatch: pytest.MonkeyPatch,
