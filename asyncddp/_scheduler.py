@@ -202,8 +202,9 @@ def _awaitable_returned(fn: Callable[..., Any], value: Any) -> TypeError:
     """The error for a job that returned a coroutine or an async generator (a plain function
     that called an ``async def`` without awaiting it): closed here, so that no "never
     awaited" warning comes later, from wherever the collector happens to run."""
-    kind = "a coroutine" if isinstance(value, CoroutineType) else "an async generator"
+    kind = "an async generator"
     if isinstance(value, CoroutineType):
+        kind = "a coroutine"
         value.close()
     name = getattr(fn, "__qualname__", None) or repr(fn)
     return TypeError(

@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
+from ._checks import check_int
 from ._devices import cpu_devices
 from ._worker import WorkerContext, current_worker
 
@@ -63,11 +64,7 @@ class _Budget:
     several workers may meet it at once."""
 
     def __init__(self, times: int | None) -> None:
-        if times is not None and (isinstance(times, bool) or not isinstance(times, int)):
-            raise TypeError(f"times must be an int or None, got {times!r}")
-        if times is not None and times < 1:
-            raise ValueError(f"times must be at least 1 (or None: every time), got {times}")
-        self._left = times
+        self._left: int | None = check_int("times", times, 1, none=True)
         self._lock = threading.Lock()
 
     def take(self) -> bool:

@@ -633,5 +633,5 @@ def test_a_fault_that_could_never_fire_is_refused_where_it_is_made() -> None:
             failing_step(step, device=bad)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="device must be an index"):
         fail_on(lambda ctx, shard: None, device="cpu#1")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="times must be at least 1"):
+    with pytest.raises(ValueError, match="times must be an int >= 1"):
         failing_optimizer(SGD, device=0, times=0)
