@@ -20,7 +20,6 @@ import inspect
 import logging
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from typing import Any, Generic, NoReturn, TypeVar, cast
 import anyio
 import torch
 
-from ._checks import MAX_THREADS, check_int, check_seconds
+from ._checks import MAX_THREADS, check_int, check_seconds, warn_user
 from ._data import count_items
 from ._devices import Device, DeviceSpec, resolve_devices
 from ._exceptions import (
@@ -499,12 +498,11 @@ class StepScheduler:
                 worker.join()  # its last job has run: the thread is returning
             else:
                 self._left_behind.append(worker.thread)
-                warnings.warn(
+                warn_user(
                     f"{worker.thread.name} is still running a job (or the work one left for "
                     f"after it) after drain_timeout="
                     f"{self.drain_timeout} s; left behind, it exits once the job returns",
                     AsyncDDPRuntimeWarning,
-                    stacklevel=4,
                 )
         return cancellation
 
