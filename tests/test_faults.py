@@ -317,9 +317,7 @@ async def test_a_job_left_behind_by_a_timeout_blocks_the_next_call_until_it_retu
     try:
         with (
             pytest.raises(WorkerTimeoutError),
-            pytest.warns(
-                RuntimeWarning, match=r"asyncddp-worker\[cpu#1\].*left behind"
-            ) as warned,
+            pytest.warns(RuntimeWarning, match=r"asyncddp-worker\[cpu#1\].*left behind") as warned,
         ):
             await trainer.fit(batches, epochs=1)
         assert [w.filename for w in warned] == [__file__]  # the user's line, not asyncddp's
