@@ -48,6 +48,7 @@ call and takes its verdict.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import json
 import logging
@@ -197,6 +198,9 @@ def describe(error: BaseException, rank: int, device: Device, **where: Any) -> F
         device = error.device
         where = {"step": error.step, "epoch": error.epoch, "phase": error.phase}
         cause = error.__cause__ if error.__cause__ is not None else error
+        if cause is error and error.rank is None:  # a timeout: the error itself goes, named
+            cause = copy.copy(error)
+            cause.rank = rank
         error_type, message = error.error_type, error.error_message
     else:
         error_type = _qualified_name(type(error))

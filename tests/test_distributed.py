@@ -1535,6 +1535,24 @@ def test_a_lost_rank_s_error_says_why_a_rank_may_stop_answering() -> None:
     assert "not making this call" in timeout
 
 
+def test_a_failure_without_a_cause_reaches_the_other_ranks_naming_its_rank() -> None:
+    # A step timeout has no cause: the error itself goes to the other ranks as the cause of
+    # theirs. It went with rank=None, so rank 0's error named rank 1 and its cause named none.
+    from asyncddp import _comm
+
+    device = asyncddp.cpu_devices(2)[1]
+    timeout = asyncddp.WorkerTimeoutError(device=device, step=3, timeout=5.0)
+    error = _comm.describe(timeout, 1, device, step=3, epoch=0).error()
+    assert (error.rank, error.device, type(error.__cause__)) == (
+        1,
+        device,
+        asyncddp.WorkerTimeoutError,
+    )
+    assert isinstance(error.__cause__, asyncddp.WorkerTimeoutError)
+    assert (error.__cause__.rank, error.__cause__.device) == (1, device)
+    assert timeout.rank is None  # this rank's own error is named where it is raised
+
+
 def test_a_trainer_joins_a_new_process_group_made_after_its_last_call() -> None:
     # A trainer fitted in one process group, which was then destroyed and made anew, joins the
     # new one at its next call (it went on with the destroyed group's collectives, which fail).
