@@ -3,8 +3,8 @@
 Every exchange between ranks starts with one small all-reduce, the *header*: a float64 vector
 that every rank fills in the same layout and that sums to the same totals on every rank::
 
-    kind | items | loss | active | failed | stop | new | buckets | counted | used[P] |
-    (sum, reported)[M] | a small model's gradients (see below)
+    kind | items | loss | active | failed | stop | new | buckets | counted | trainer |
+    used[P] | (sum, reported)[M] | a small model's gradients (see below)
 
 ``kind`` says which exchange this is (a step, the end of validation, ...); ``items``, ``loss``
 and the metric sums are sums over every device of every rank, which makes the gradient weights,
@@ -12,10 +12,12 @@ the step's loss and the validation metrics exact; ``active`` counts the ranks th
 (uneven data never hangs: a rank out of data keeps joining with zero items until none is
 active); ``failed`` counts the ranks that are raising; ``stop`` the ranks where ``stop()`` was
 called; ``counted`` the ranks whose item counts came from their step (its ``"items"``);
-``used[p]`` how many ranks gave parameter ``p`` a gradient; each metric's ``reported``
-the items behind its sum, those of the shards that reported it (the registry of names is
-shared by training and validation: an exchange's figures hold only the metrics some rank
-reported, over some item, in it).
+``trainer`` a number each rank's trainer took from rank 0's name for it (see `Comm.setup`),
+so that an exchange that met another trainer's on some rank says so instead of summing their
+figures; ``used[p]`` how many ranks gave parameter ``p`` a gradient; each metric's
+``reported`` the items behind its sum, those of the shards that reported it (the registry of
+names is shared by training and validation: an exchange's figures hold only the metrics some
+rank reported, over some item, in it).
 
 A step's gradient buckets are all-reduced *with* its header, all started at once, so the header
 costs no round trip of its own; ``buckets`` counts the ranks that sent them. A rank that sent a
@@ -82,8 +84,8 @@ _EXCHANGES = {
     SETUP: "a trainer's first call",
     MODEL: "taking rank 0's model (a call's start)",
 }
-_KIND, _ITEMS, _LOSS, _ACTIVE, _FAILED, _STOP, _NEW, _BUCKETS, _COUNTED = range(9)
-_FIXED = 9
+_KIND, _ITEMS, _LOSS, _ACTIVE, _FAILED, _STOP, _NEW, _BUCKETS, _COUNTED, _TRAINER = range(10)
+_FIXED = 10
 
 #: Gradient all-reduces are issued in buckets of at most this many bytes (as DDP's 25 MB).
 BUCKET_BYTES = 25 * 1024 * 1024
@@ -315,6 +317,7 @@ class Comm:
         self.rank_devices: list[tuple[Device, ...]] = []
         self.data_seed = 0
         self.name = ""  # rank 0's name for this trainer, once set up
+        self.tag = 0  # a number from that name, in every header (see header): 0 until then
         self.announced = False
         #: The sizes and dtypes of a step's gradient buckets (a failing rank sends zeros alike).
         self.layout: list[tuple[int, torch.dtype]] = []
@@ -408,6 +411,8 @@ class Comm:
         self._agreed = True
         self._packed = packable  # every rank's, as the fingerprints agree
         self._scope, self._calls = self.name, 1  # this trainer's calls, from here
+        # From here this trainer's headers carry it; sums of float64 hold it exactly.
+        self.tag = int(self.name[:6], 16) + 1
         self._note()
 
     def current(self) -> bool:
@@ -550,6 +555,15 @@ class Comm:
             self._join_buckets(None)  # others sent a step's buckets: out of step, or failed
         if row[_FAILED] > 0:
             raise PeerFailed(self._gather_failures(None))
+        if round(row[_TRAINER]) != self.tag * self.world_size:
+            # Another trainer's exchange, on some rank: its figures (and a step's gradients,
+            # summed into this one's) are not this trainer's.
+            raise ConfigurationError(
+                "the ranks are in different trainers' calls: this rank's exchange met another "
+                "trainer's on some rank. Every rank must make its trainers' calls in the same "
+                "order, one at a time (across processes a trainer's call is refused while "
+                "another's runs in the same process)"
+            )
         got = round(row[_KIND])
         if got != kind * self.world_size:
             other = got - kind  # the other rank's, when there are two
@@ -630,6 +644,7 @@ class Comm:
         into a tensor once: a torch call per element costs more than the whole row)."""
         row = [float(kind), float(items), float(loss), float(active), float(failed)]
         row += [float(stop), float(bool(new)), 0.0, 0.0]  # _BUCKETS, _COUNTED: the caller's
+        row.append(float(self.tag))
         if not self._agreed:  # setup's header: the fixed fields alone (see __init__)
             return row
         row += [float(u) for u in used] if used is not None else [0.0] * self.params

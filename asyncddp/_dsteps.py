@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
@@ -49,6 +50,10 @@ __all__ = ["DistributedSteps", "collective"]
 ANNOUNCE_TIMEOUT = 60.0
 
 T = TypeVar("T")
+
+#: The trainer whose fit or validate runs in this process's process group (see
+#: `DistributedSteps._claim_group`), held weakly.
+_GROUP_CALL: weakref.ref[Any] | None = None
 
 
 async def collective(
@@ -103,6 +108,7 @@ class DistributedSteps(Steps):
     _data_seed: int | None
     _warned_alone: bool
     _cancelled_in_step: BaseException | None
+    _group_call: str | None  # the call `_claim_group` noted, until it ends
     epoch: int
 
     def _distributed(self) -> bool:
@@ -129,6 +135,41 @@ class DistributedSteps(Steps):
         return result.active == 0
 
     # -- joining -------------------------------------------------------------------------------
+
+    def _claim_group(self, call: str) -> bool:
+        """In a process group, refuse ``call`` (``"fit()"``, ``"validate()"``) while another
+        trainer's call runs in this process; else note this one's, until `_release_group`.
+        Returns whether it was noted.
+
+        Every trainer's collectives run on asyncddp's one group (`_comm.own_group`). Two
+        trainers' calls at once would issue theirs in whatever order their threads reach
+        them, and each rank's would meet another trainer's on the others: summed into the
+        wrong model when the sizes match, else gloo aborts a process. Refused before joining,
+        on every rank alike (each makes the same calls in the same order), so no rank waits.
+        """
+        global _GROUP_CALL
+        if not distributed.is_initialized():
+            return False
+        other = _GROUP_CALL() if _GROUP_CALL is not None else None
+        if other is not None and other is not self:
+            running = getattr(other, "_group_call", None) or "a call"
+            raise ConfigurationError(
+                f"{call} cannot start while another Trainer's {running} runs in this process: "
+                "across processes one trainer's call runs at a time (the trainers' collectives "
+                "share the process group, and would meet another trainer's on the other "
+                f"ranks). Await that {running} first, and make the trainers' calls in the same "
+                "order on every rank"
+            )
+        _GROUP_CALL = weakref.ref(self)
+        self._group_call = call
+        return True
+
+    def _release_group(self) -> None:
+        """The end of the call `_claim_group` noted."""
+        global _GROUP_CALL
+        if _GROUP_CALL is not None and _GROUP_CALL() is self:
+            _GROUP_CALL = None
+        self._group_call = None
 
     async def _join(self, call: str) -> None:
         """Join the process group's training, once, if this process is in one; ``call`` is

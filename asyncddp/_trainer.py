@@ -377,6 +377,7 @@ class Trainer(Resumable):
         self._stop_agreed = False  # every rank knows of a stop() (only then do they stop)
         self._data_seed: int | None = None  # how the ranks shuffle alike
         self._warned_alone = False  # see DistributedSteps._join
+        self._group_call: str | None = None  # see DistributedSteps._claim_group
         self._queued_undos: list[JobQueuedError] = []  # see _check_queued_undos
         self._from_rank_0 = False  # across ranks: whether rank 0's model was taken yet
         self._cancelled_in_step: BaseException | None = None  # raised once the step is counted
@@ -485,7 +486,8 @@ class Trainer(Resumable):
                 ``checkpoint_dir`` cannot be written (before any step).
             ConfigurationError: ``epochs < 1``, or ``resume="latest"`` without a
                 ``checkpoint_dir`` (or with a file there), or the optimizer or LR scheduler
-                factory raised (its error is the cause).
+                factory raised (its error is the cause); across processes, another Trainer's
+                call is running in this process.
 
         Warns:
             UserWarning: ``epochs`` are complete already, so the call trains nothing; or
@@ -509,6 +511,7 @@ class Trainer(Resumable):
         await self._wait_for_checkpoint_session()
         self._refuse_if_running("fit()")  # before the try: a running fit's event streams stay open
         self._check_options()
+        self._claim_group("fit()")
         self._stop_reason = None
         self._stop_agreed = False
         history: list[EpochRecord] = []
@@ -578,6 +581,8 @@ class Trainer(Resumable):
                 raise
             finally:
                 del raised  # no cycle through this frame (see _steps._on_failure)
+        finally:
+            self._release_group()
         if not self._batches_done:  # no epoch left unfinished: let the iterator go
             self._last_iterator = None
         stopped = self._stopping()
@@ -614,11 +619,13 @@ class Trainer(Resumable):
                 modes they had.
             DataError: ``data`` holds no batch, or a batch that cannot be split.
             ConfigurationError: Another call (``fit``, ``validate``) is running on this
-                trainer, or an option assigned on it cannot work.
+                trainer (across processes, on any trainer of this process), or an option
+                assigned on it cannot work.
         """
         await self._wait_for_checkpoint_session()
         self._refuse_if_running("validate()")  # before the try: no failure to announce
         self._check_options()
+        self._claim_group("validate()")
         try:
             await self._join("validate()")
             _check_data(data, "data", 1)
@@ -633,6 +640,8 @@ class Trainer(Resumable):
                 raise
             finally:
                 del raised  # no cycle through this frame (see _steps._on_failure)
+        finally:
+            self._release_group()
 
     def _check_continued(self, data: Iterable[Any], passes: int) -> None:
         """Refuse to continue an epoch with an iterator that was read before: continuing

@@ -726,6 +726,19 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
             report["error"] = None
         except asyncddp.AsyncDDPError as error:
             report["error"] = str(error)
+    elif scenario == "trainers-crossed":  # rank 1 calls its two trainers in the other order
+        first, second = trainer(1), trainer(1)
+        for t in (first, second):  # each joins, in the same order on every rank
+            await t.validate(batches(5, 10))
+        errors = []
+        for t in (first, second) if rank == 0 else (second, first):
+            try:
+                await t.fit(batches(), epochs=1)
+                errors.append(None)
+            except asyncddp.AsyncDDPError as error:
+                errors.append(f"{type(error).__name__}: {error}")
+        report["errors"] = errors
+        report["steps"] = [first.global_step, second.global_step]
     elif scenario == "user-collectives":  # the user's own collectives during fit
         # An event consumer sums a figure over the ranks with torch.distributed on the default
         # group, in the event loop, while asyncddp's collectives run in a thread of their own.

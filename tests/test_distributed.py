@@ -13,6 +13,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -924,6 +925,21 @@ def test_ranks_in_different_exchanges_say_so(tmp_path: Path, exchange: str) -> N
     assert "the other rank at a training step (fit)" in reports[0]["error"]
 
 
+@pytest.mark.parametrize("exchange", ["packed", "apart"])
+def test_ranks_in_different_trainers_calls_say_so(tmp_path: Path, exchange: str) -> None:
+    # Rank 0 fits trainer A then B, rank 1 B then A, of one model: each exchange met the
+    # other trainer's and was summed with it, and both ranks trained on, silently wrong.
+    reports, codes, _ = launch("trainers-crossed", tmp_path, timeout=60, exchange=exchange)
+    assert codes == [0, 0]
+    for report in reports:
+        assert report is not None
+        assert len(report["errors"]) == 2
+        for error in report["errors"]:
+            assert error is not None
+            assert "ConfigurationError: the ranks are in different trainers' calls" in error
+        assert report["steps"] == [0, 0]  # no step of either was taken
+
+
 def test_init_without_the_torchrun_environment_says_how_to_launch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1551,6 +1567,47 @@ def test_a_failure_without_a_cause_reaches_the_other_ranks_naming_its_rank() -> 
     assert isinstance(error.__cause__, asyncddp.WorkerTimeoutError)
     assert (error.__cause__.rank, error.__cause__.device) == (1, device)
     assert timeout.rank is None  # this rank's own error is named where it is raised
+
+
+def test_a_second_trainer_s_call_in_a_process_group_is_refused_while_one_runs() -> None:
+    # Every trainer's collectives share asyncddp's group: two calls at once met each other's
+    # on the other ranks (summed into the wrong model, or a gloo abort), silently. Refused on
+    # every rank alike, before joining; the running call goes on, and then the other may run.
+    import anyio
+
+    first, second = one_device_trainer(), one_device_trainer()
+    reference = one_device_trainer()
+
+    async def run() -> None:
+        stepped = anyio.Event()
+
+        async def note_a_step() -> None:
+            async for event in first.events():
+                if isinstance(event, asyncddp.StepEnded):
+                    stepped.set()
+                    return
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(note_a_step)
+            group.start_soon(functools.partial(first.fit, worker.batches(), epochs=2))
+            await stepped.wait()
+            for call, name in (
+                (functools.partial(second.fit, worker.batches(), epochs=1), "fit()"),
+                (functools.partial(second.validate, worker.batches()), "validate()"),
+            ):
+                with pytest.raises(
+                    asyncddp.ConfigurationError,
+                    match=rf"{re.escape(name)} cannot start while another Trainer's fit\(\) runs",
+                ):
+                    await call()
+        assert first.global_step == 14  # undisturbed
+        assert second._comm is None  # refused before joining
+        await second.fit(worker.batches(), epochs=1)  # once the other call has ended
+        await reference.fit(worker.batches(), epochs=1)
+        assert_equal_tensors(list(second.model.parameters()), list(reference.model.parameters()))
+
+    with one_rank_group():
+        anyio.run(run)
 
 
 def test_a_trainer_joins_a_new_process_group_made_after_its_last_call() -> None:
