@@ -464,11 +464,19 @@ class Epochs(DistributedSteps):
             self._publish_failure(error, "raise")
             raise
 
-    async def _end_epoch(self, valid_data: Iterable[Any] | None) -> EpochRecord:
+    async def _end_epoch(
+        self, valid_data: Iterable[Any] | None, train_data: Iterable[Any]
+    ) -> EpochRecord:
         """Validate, step the epoch's LR schedulers and close the epoch: once, even if cancelled
         and called again."""
         record = self._epoch_record(self.epoch)
         if valid_data is not None:
+            if self._resumed_loader_rng is not None:
+                # Resumed from a checkpoint written after the epoch's training, before its end:
+                # the new train loader's generators go on from where the saved run's were, now,
+                # as the validation may draw from them (one generator for both loaders).
+                _checkpoint.restore_loader_rng(train_data, self._resumed_loader_rng)
+                self._resumed_loader_rng = None
             # A validation cut short (a cancellation before the epoch closed) runs again in
             # the next fit: from the same generators' states, so that what it draws (a
             # DataLoader draws its seed in iter(), from torch's generator or its own) is drawn
@@ -480,6 +488,9 @@ class Epochs(DistributedSteps):
             record = dataclasses.replace(
                 record, valid_metrics=await self._validate(valid_data, epoch=record.epoch)
             )
+            # Where the epoch ends: the validation's iter() drew its seed from the train
+            # loader's generator too, where the loaders share one.
+            self._loader_rng = _checkpoint.capture_loader_rng(train_data)
         stepping = any(replica.scheduler is not None for replica in self._replicas)
         if stepping and self._scheduler is not None and self.lr_scheduler_interval == "epoch":
             # The epoch's last step may have left its optimizer step queued on a lone GPU: the

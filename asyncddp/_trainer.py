@@ -563,7 +563,7 @@ class Trainer(Resumable):
                 while self.epoch < epochs:
                     if not self._epoch_trained and not await self._train_epoch(train_data, epochs):
                         break  # stop() in mid-epoch
-                    history.append(await self._end_epoch(valid_data))
+                    history.append(await self._end_epoch(valid_data, train_data))
                     await self._hub.settle()  # a stop() from an EpochEnded consumer, say
                     if self._stopping():
                         break

@@ -613,14 +613,26 @@ def validating_trainer(recorder: Recorder) -> Trainer:
     return trainer
 
 
-def shuffled_and_valid() -> tuple[DataLoader[Any], DataLoader[Any]]:
-    # Iterating either DataLoader draws its seed from torch's generator (neither has its own).
-    return DataLoader(Numbered(), batch_size=4, shuffle=True), DataLoader(Numbered(), batch_size=8)
+def shuffled_and_valid(shared: bool = False) -> tuple[DataLoader[Any], DataLoader[Any]]:
+    """Iterating either DataLoader draws its seed from torch's generator (neither has its own),
+    or, ``shared``, from one generator the two loaders share (a reproducibility recipe)."""
+    if not shared:
+        return (
+            DataLoader(Numbered(), batch_size=4, shuffle=True),
+            DataLoader(Numbered(), batch_size=8),
+        )
+    generator = torch.Generator().manual_seed(11)
+    return (
+        DataLoader(Numbered(), batch_size=4, shuffle=True, generator=generator),
+        DataLoader(Numbered(), batch_size=8, generator=generator),
+    )
 
 
-async def fit_cancelled_in_validation(trainer: Trainer, *, epochs: int) -> None:
+async def fit_cancelled_in_validation(
+    trainer: Trainer, *, epochs: int, shared: bool = False
+) -> None:
     """``fit``, cancelled from the consumer of epoch 0's ``EpochEnded``: in its validation."""
-    train, valid = shuffled_and_valid()
+    train, valid = shuffled_and_valid(shared)
     stream = trainer.events()
     with anyio.CancelScope() as scope:
 
@@ -636,11 +648,13 @@ async def fit_cancelled_in_validation(trainer: Trainer, *, epochs: int) -> None:
     assert (trainer.epoch, trainer._epoch_trained) == (0, True)  # validation and close pending
 
 
-async def uninterrupted_with_validation(epochs: int) -> tuple[torch.Tensor, list[int]]:
+async def uninterrupted_with_validation(
+    epochs: int, shared: bool = False
+) -> tuple[torch.Tensor, list[int]]:
     torch.manual_seed(3)
     recorder = Recorder()
     trainer = validating_trainer(recorder)
-    train, valid = shuffled_and_valid()
+    train, valid = shuffled_and_valid(shared)
     await trainer.fit(train, epochs=epochs, valid_data=valid)
     return parameters(trainer), recorder.seen[1]
 
@@ -671,6 +685,47 @@ async def test_a_checkpoint_taken_after_a_validation_cut_short_resumes_as_if_onc
     recorder = Recorder()
     resumed = validating_trainer(recorder)
     train, valid = shuffled_and_valid()
+    await resumed.fit(train, epochs=2, valid_data=valid, resume=path)
+    assert recorder.seen[1] == order
+    torch.testing.assert_close(parameters(resumed), expected, rtol=0, atol=0)
+
+
+async def test_an_epoch_end_checkpoint_resumes_loaders_that_share_a_generator(
+    tmp_path: Any,
+) -> None:
+    # The validation loader's iter() draws its seed from the generator it shares with the
+    # train loader. The checkpoint held that generator's state from before the validation,
+    # so the resumed run's next epoch was shuffled in another order than an uninterrupted one.
+    expected, order = await uninterrupted_with_validation(2, shared=True)
+    torch.manual_seed(3)
+    first = validating_trainer(Recorder())
+    first.checkpoint_dir = tmp_path
+    train, valid = shuffled_and_valid(shared=True)
+    await first.fit(train, epochs=1, valid_data=valid)
+    torch.manual_seed(999)
+    recorder = Recorder()
+    resumed = validating_trainer(recorder)
+    resumed.checkpoint_dir = tmp_path
+    train, valid = shuffled_and_valid(shared=True)  # a new process's: seeded as at the start
+    await resumed.fit(train, epochs=2, valid_data=valid, resume="latest")
+    assert recorder.seen[1] == order
+    torch.testing.assert_close(parameters(resumed), expected, rtol=0, atol=0)
+
+
+async def test_a_checkpoint_in_a_validation_cut_short_resumes_loaders_that_share_a_generator(
+    tmp_path: Any,
+) -> None:
+    # Resumed before the epoch's end: the train loader's generator is put back before the
+    # validation runs again (it draws from it), not after, over the validation's draw.
+    expected, order = await uninterrupted_with_validation(2, shared=True)
+    torch.manual_seed(3)
+    first = validating_trainer(Recorder())
+    await fit_cancelled_in_validation(first, epochs=2, shared=True)
+    path = await first.save_checkpoint(tmp_path / "cut-short.ckpt")
+    torch.manual_seed(999)
+    recorder = Recorder()
+    resumed = validating_trainer(recorder)
+    train, valid = shuffled_and_valid(shared=True)
     await resumed.fit(train, epochs=2, valid_data=valid, resume=path)
     assert recorder.seen[1] == order
     torch.testing.assert_close(parameters(resumed), expected, rtol=0, atol=0)
