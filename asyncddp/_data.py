@@ -24,34 +24,46 @@ def count_items(shard: object) -> int:
     """How many items ``shard`` holds.
 
     - a tensor: its size along dim 0 (a 0-dim tensor is one item);
-    - a tuple, list or dict: the count of the first tensor in it, depth first; with no tensor
-      in it, its length;
+    - a tuple, list or dict: the dim 0 size of the first tensor in it that has one, depth
+      first (0-dim tensors, which `split_batch` hands to every shard whole, are passed over);
+      with only 0-dim tensors in it, one item; with no tensor in it, its length;
     - ``None``: no items; anything else: one item.
     """
+    if isinstance(shard, torch.Tensor):
+        return int(shard.shape[0]) if shard.dim() else 1
     found = _first_tensor_count(shard)
     if found is not None:
         return found
     if shard is None:
         return 0
     if isinstance(shard, (tuple, list, Mapping)):
-        return len(shard)
+        return 1 if _holds_tensor(shard) else len(shard)  # 0-dim tensors alone: one item
     return 1
 
 
-def _first_tensor_count(value: object) -> int | None:
-    if isinstance(value, torch.Tensor):
-        return int(value.shape[0]) if value.dim() else 1
+def _children(value: object) -> list[object] | tuple[object, ...] | None:
     if isinstance(value, Mapping):
-        children: list[object] | tuple[object, ...] = list(value.values())
-    elif isinstance(value, (tuple, list)):
-        children = value
-    else:
-        return None
-    for child in children:
+        return list(value.values())
+    if isinstance(value, (tuple, list)):
+        return value
+    return None
+
+
+def _first_tensor_count(value: object) -> int | None:
+    """The dim 0 size of the first tensor in ``value`` that has a dim 0, depth first."""
+    if isinstance(value, torch.Tensor):
+        return int(value.shape[0]) if value.dim() else None
+    for child in _children(value) or ():
         found = _first_tensor_count(child)
         if found is not None:
             return found
     return None
+
+
+def _holds_tensor(value: object) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    return any(_holds_tensor(child) for child in _children(value) or ())
 
 
 def items_in(batch: object) -> int:

@@ -23,6 +23,10 @@ from asyncddp._data import count_items
         ({"x": torch.zeros(3, 2), "y": torch.zeros(3)}, 3),
         ({"meta": {"ids": [1, 2]}, "x": torch.zeros(6)}, 6),
         ([[torch.zeros(2)], torch.zeros(9)], 2),
+        # A 0-dim tensor is handed to every shard whole (split_batch): not a count of items.
+        ({"temperature": torch.tensor(0.7), "x": torch.zeros(3, 2)}, 3),
+        ((torch.tensor(2), [torch.zeros(0, 4)]), 0),
+        ((torch.tensor(0.5), torch.tensor(0.7)), 1),
         (["a", "b", "c"], 3),
         ({}, 0),
         (None, 0),
