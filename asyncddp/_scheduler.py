@@ -365,7 +365,8 @@ class StepScheduler:
 
     @property
     def progress(self) -> Progress:
-        """Items processed by the successful steps since the start or the last reset."""
+        """Items processed by the steps that ran to their end on every device since the start
+        or the last reset: those that returned, and those cancelled once every job had run."""
         return self._tracker.progress
 
     def reset_progress(self, items_total: int | None = None) -> None:
