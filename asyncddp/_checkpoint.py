@@ -15,6 +15,7 @@ import os
 import pickle
 import random
 import re
+import secrets
 import tempfile
 import time
 import warnings
@@ -65,7 +66,7 @@ def save(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
             "to write (none, to write one named for the position into checkpoint_dir)"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    fd, temporary = _create_temporary(target)
     try:
         with os.fdopen(fd, "wb") as file:
             torch.save({"format": FORMAT, "version": VERSION, **state}, file)
@@ -77,6 +78,20 @@ def save(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
         raise
     _fsync_folder(target.parent)
     return target
+
+
+def _create_temporary(target: Path) -> tuple[int, str]:
+    """A new file beside ``target``, ``.NAME.XXXXXXXX.tmp``, open for writing: created with
+    mode 0o666 less the umask, as ``torch.save`` or ``open()`` would (``tempfile.mkstemp``'s
+    0o600 would stay the checkpoint's mode through the rename: unreadable by a serving
+    process of another user)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    while True:
+        temporary = str(target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(temporary, flags, 0o666), temporary
+        except FileExistsError:
+            continue
 
 
 def refused_objects(path: str | os.PathLike[str]) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -620,6 +621,30 @@ async def test_fit_removes_the_temporary_files_of_checkpoint_writes_a_killed_pro
     assert not left.exists()
     assert fresh.exists()
     assert other.exists()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX file modes")
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+async def test_a_checkpoint_file_takes_the_mode_the_umask_gives_as_torch_save_s(
+    tmp_path: Path, umask: int
+) -> None:
+    # Written through tempfile.mkstemp, a checkpoint kept its 0o600 through the rename: a
+    # serving process of another user could not read it, where torch.save's file could.
+    import os
+
+    before = os.umask(umask)
+    try:
+        trainer = make_trainer(1, checkpoint_dir=tmp_path / "run")
+        await trainer.fit(batches(), epochs=1)
+        saved = await trainer.save_checkpoint(tmp_path / "now.ckpt")
+        torch.save({}, tmp_path / "plain.pt")
+    finally:
+        os.umask(before)
+    (written,) = (tmp_path / "run").glob("*.ckpt")
+    expected = 0o666 & ~umask
+    assert os.stat(tmp_path / "plain.pt").st_mode & 0o777 == expected  # torch.save's
+    assert os.stat(saved).st_mode & 0o777 == expected
+    assert os.stat(written).st_mode & 0o777 == expected
 
 
 def test_a_checkpoint_from_a_machine_with_more_gpus_restores_the_generators_of_those_here(
