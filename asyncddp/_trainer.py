@@ -523,12 +523,13 @@ class Trainer(Resumable):
             if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
                 raise ConfigurationError(f"epochs must be an int >= 1, got {epochs!r}")
             state = await self._resume_state(resume) if resume is not None else None
-            # A checkpoint may have begun while joining or reading: it snapshots the position,
-            # so the state is taken once it has ended (nothing awaits from here to the session).
-            await self._wait_for_checkpoint_session()
             if resume is None:
                 await self._warn_if_checkpoints_ahead()
             await self._check_checkpoint_dir()
+            # A checkpoint may have begun while joining, reading or looking at checkpoint_dir:
+            # it snapshots the position, so the state is taken once it has ended (nothing
+            # awaits from here to the session, which would refuse to start beside it).
+            await self._wait_for_checkpoint_session()
             if state is not None:
                 self._adopt(state)
             elif resume is not None:  # "latest", and no checkpoint yet (on rank 0)

@@ -1900,6 +1900,56 @@ async def test_save_checkpoint_while_a_fit_ends_waits_for_the_end(
         assert torch.equal(state["model"][name], param.detach())
 
 
+async def test_save_checkpoint_while_a_fit_looks_at_checkpoint_dir_leaves_the_fit_running(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # fit() looks at checkpoint_dir (on a thread) after it waited for any checkpoint to end:
+    # one that began meanwhile made the fit's session refuse to start, "fit() cannot start
+    # while save_checkpoint() is already running", in 9 of 12 tries of a script.
+    looking = anyio.Event()
+    check = Trainer._check_checkpoint_dir
+
+    writing = threading.Event()
+    save = asyncddp._checkpoint.save
+
+    def slow_save(*args: Any) -> Any:
+        writing.set()
+        time.sleep(0.2)  # the checkpoint's session outlasts the fit's look at the folder
+        return save(*args)
+
+    async def slow_check(self: Trainer) -> None:
+        await check(self)
+        if saved is not None:  # the second fit's
+            looking.set()
+            assert await anyio.to_thread.run_sync(writing.wait, 10.0)
+
+    monkeypatch.setattr(Trainer, "_check_checkpoint_dir", slow_check)
+    monkeypatch.setattr(asyncddp._checkpoint, "save", slow_save)
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(1),
+        progress_bar=False,
+        checkpoint_dir=tmp_path / "run",
+    )
+    saved: list[Any] | None = None
+    await trainer.fit(make_batches([4, 4, 4]), epochs=1)  # its epoch's checkpoint: written
+    saved = []
+    writing.clear()
+
+    async def save_while_looking() -> None:
+        await looking.wait()
+        assert saved is not None
+        saved.append(await trainer.save_checkpoint(tmp_path / "start.ckpt"))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(save_while_looking)
+        result = await trainer.fit(make_batches([4, 4, 4]), epochs=2)
+    assert result.global_step == 6
+    assert torch.load(saved[0], weights_only=False)["global_step"] == 3  # the fit's start
+
+
 async def test_a_session_that_cannot_start_leaves_no_session_behind(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
