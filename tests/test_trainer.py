@@ -1906,25 +1906,24 @@ async def test_save_checkpoint_while_a_fit_looks_at_checkpoint_dir_leaves_the_fi
     # fit() looks at checkpoint_dir (on a thread) after it waited for any checkpoint to end:
     # one that began meanwhile made the fit's session refuse to start, "fit() cannot start
     # while save_checkpoint() is already running", in 9 of 12 tries of a script.
-    looking = anyio.Event()
-    check = Trainer._check_checkpoint_dir
-
-    writing = threading.Event()
-    save = asyncddp._checkpoint.save
-
-    def slow_save(*args: Any) -> Any:
-        writing.set()
-        time.sleep(0.2)  # the checkpoint's session outlasts the fit's look at the folder
-        return save(*args)
+    looking, snapshotting = anyio.Event(), anyio.Event()
+    armed = False
+    check, snapshot = Trainer._check_checkpoint_dir, Trainer._snapshot
 
     async def slow_check(self: Trainer) -> None:
         await check(self)
-        if saved is not None:  # the second fit's
+        if armed:  # the second fit's: it goes on once the checkpoint's session has begun
             looking.set()
-            assert await anyio.to_thread.run_sync(writing.wait, 10.0)
+            await snapshotting.wait()
+
+    async def slow_snapshot(self: Trainer) -> dict[str, Any]:
+        if armed and not snapshotting.is_set():  # the save_checkpoint's, in its own session
+            snapshotting.set()
+            await anyio.sleep(0.2)
+        return await snapshot(self)
 
     monkeypatch.setattr(Trainer, "_check_checkpoint_dir", slow_check)
-    monkeypatch.setattr(asyncddp._checkpoint, "save", slow_save)
+    monkeypatch.setattr(Trainer, "_snapshot", slow_snapshot)
     trainer = Trainer(
         make_model(),
         SGD,
@@ -1933,14 +1932,12 @@ async def test_save_checkpoint_while_a_fit_looks_at_checkpoint_dir_leaves_the_fi
         progress_bar=False,
         checkpoint_dir=tmp_path / "run",
     )
-    saved: list[Any] | None = None
-    await trainer.fit(make_batches([4, 4, 4]), epochs=1)  # its epoch's checkpoint: written
-    saved = []
-    writing.clear()
+    await trainer.fit(make_batches([4, 4, 4]), epochs=1)
+    armed = True
+    saved: list[Any] = []
 
     async def save_while_looking() -> None:
         await looking.wait()
-        assert saved is not None
         saved.append(await trainer.save_checkpoint(tmp_path / "start.ckpt"))
 
     async with anyio.create_task_group() as group:
