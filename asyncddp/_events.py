@@ -163,6 +163,10 @@ class EventStream:
         if len(self._queue) == self._queue.maxlen:
             self.dropped += 1
         self._queue.append(event)
+        if isinstance(event, FitEnded):
+            # Its last event, however far behind its consumer is: the next fit's are not its.
+            self._ended = True
+            self._hub.unsubscribe(self)
         if self._wakeup is not None:
             self._wakeup.set()
 

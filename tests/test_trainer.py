@@ -1641,6 +1641,26 @@ async def test_a_slow_event_consumer_never_holds_training_back() -> None:
     assert isinstance(events[-1], FitEnded)
 
 
+async def test_a_stream_behind_its_fit_ends_at_that_fit_s_end_not_in_the_next() -> None:
+    # The stream closed as its consumer read FitEnded: one still behind went on receiving,
+    # and read the next fit's events after the first's end (182 of them in a helper's script).
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    stream = trainer.events()
+    await trainer.fit(make_batches([2] * 3), epochs=1)  # nobody reads the stream meanwhile
+    await trainer.fit(make_batches([2] * 3), epochs=2)
+    events = [event async for event in stream]
+    assert [type(event).__name__ for event in events] == [
+        "FitStarted",
+        "StepEnded",
+        "StepEnded",
+        "StepEnded",
+        "EpochEnded",
+        "FitEnded",
+    ]
+    assert events[-1].epoch == 1  # type: ignore[attr-defined]
+    assert stream.dropped == 0
+
+
 async def test_progress_bar_renders(capsys: pytest.CaptureFixture[str]) -> None:
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=True)
     await trainer.fit(make_batches([4, 4]), epochs=1)
