@@ -414,31 +414,32 @@ class Epochs(DistributedSteps):
                     self._items_ref = float(window.sums.items)
         finally:
             self._unlock_window()
+        # A cancellation that came once the step was taken (see `_apply`) goes on after the
+        # step is told of, as the step is counted: progress, the bar and StepEnded.
         cancelled, self._cancelled_in_step = self._cancelled_in_step, None
-        if cancelled is not None:  # across ranks: after a step that every rank took
-            raise cancelled
         # The window's batches are done, whether it made a step or not.
         entries = [window.device_items.get(name, 0) for name in tracked]
         progress = tracker.update(entries, step=taken)
         if not bar.disable:
             bar.update(sum(entries))
-        if not taken:
-            return
-        items = window.sums.items
-        loss = window.sums.loss / items
-        if not bar.disable:
-            bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
-        self._hub.publish(
-            StepEnded(
-                epoch,
-                self.global_step - 1,
-                loss,
-                items,
-                progress,
-                window.sums.means(),
-                lr,
+        if taken:
+            items = window.sums.items
+            loss = window.sums.loss / items
+            if not bar.disable:
+                bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+            self._hub.publish(
+                StepEnded(
+                    epoch,
+                    self.global_step - 1,
+                    loss,
+                    items,
+                    progress,
+                    window.sums.means(),
+                    lr,
+                )
             )
-        )
+        if cancelled is not None:
+            raise cancelled
 
     def _epoch_record(self, epoch: int) -> EpochRecord:
         sums = self._epoch_sums

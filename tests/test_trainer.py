@@ -3621,14 +3621,19 @@ async def test_a_step_cancelled_after_every_device_updated_counts(
     # Once every device has taken its optimizer step, a cancellation lets the step count, and
     # training goes on from there (as across ranks): under asyncio and trio, with a backup or
     # without one, whether the phases run as one job a device or as jobs apart.
+    # The step is told of as it counts: its StepEnded and its progress came before (they
+    # were left out, the cancellation raised first).
     batches = make_batches([4, 4])
     trainer = slow_sgd_trainer(devices, atomic_steps=atomic_steps, step_timeout=step_timeout)
+    stream = trainer.events()
     async with anyio.create_task_group() as group:
         group.start_soon(lambda: trainer.fit(batches, epochs=1))  # type: ignore[arg-type,return-value]
         while not SlowSGD.updated.is_set():  # noqa: ASYNC110 (a worker thread sets it)
             await anyio.sleep(0.01)
         group.cancel_scope.cancel()
     assert trainer.global_step == 1
+    told = [event async for event in stream if isinstance(event, StepEnded)]
+    assert [(event.step, event.progress.items_processed) for event in told] == [(0, 4)]
     assert_replicas_identical(trainer)
     await trainer.fit(batches, epochs=1)
     assert trainer.global_step == 2
