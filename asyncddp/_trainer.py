@@ -510,16 +510,21 @@ class Trainer(Resumable):
         """
         await self._wait_for_checkpoint_session()
         self._refuse_if_running("fit()")  # before the try: a running fit's event streams stay open
-        self._check_options()
-        self._claim_group("fit()")
+        try:
+            self._claim_group("fit()")  # refused on every rank alike: nothing to announce
+        except ConfigurationError as error:
+            self._hub.publish(FitEnded(self.epoch, self.global_step, False, error=_describe(error)))
+            raise
         self._stop_reason = None
         self._stop_agreed = False
         history: list[EpochRecord] = []
         started, items_before = time.perf_counter(), self._items_trained
         try:
             # Joined first: every rank counts the call (Comm.begin_call), also one that a
-            # check below fails on this rank alone.
+            # check below fails on this rank alone (an option assigned on one rank), and the
+            # others hear of it.
             await self._join("fit()")
+            self._check_options()
             if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
                 raise ConfigurationError(f"epochs must be an int >= 1, got {epochs!r}")
             state = await self._resume_state(resume) if resume is not None else None
@@ -625,10 +630,10 @@ class Trainer(Resumable):
         """
         await self._wait_for_checkpoint_session()
         self._refuse_if_running("validate()")  # before the try: no failure to announce
-        self._check_options()
         self._claim_group("validate()")
         try:
             await self._join("validate()")
+            self._check_options()
             _check_data(data, "data", 1)
             await self._wait_for_checkpoint_session()  # one may have begun while joining
             async with self._session("validate"):

@@ -726,6 +726,18 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
             report["error"] = None
         except asyncddp.AsyncDDPError as error:
             report["error"] = str(error)
+    elif scenario == "option-on-one-rank":  # rank 1 assigns an option that cannot work
+        t = trainer(1)
+        await t.fit(batches(), epochs=1)
+        if rank == 1:
+            t.gradient_clip_val = -1.0
+        try:
+            await t.fit(batches(), epochs=2)
+            report["error"] = None
+        except asyncddp.AsyncDDPError as error:
+            report["error"] = f"{type(error).__name__}: {error}"
+            report["error_type"] = getattr(error, "error_type", None)
+            report["error_rank"] = getattr(error, "rank", None)
     elif scenario == "trainers-crossed":  # rank 1 calls its two trainers in the other order
         first, second = trainer(1), trainer(1)
         for t in (first, second):  # each joins, in the same order on every rank

@@ -925,6 +925,20 @@ def test_ranks_in_different_exchanges_say_so(tmp_path: Path, exchange: str) -> N
     assert "the other rank at a training step (fit)" in reports[0]["error"]
 
 
+def test_an_option_refused_on_one_rank_makes_every_rank_raise_naming_it(tmp_path: Path) -> None:
+    # Checked before joining, the refusal stayed on rank 1: rank 0 waited in the call's first
+    # exchange for the process group's timeout.
+    reports, codes, seconds = launch("option-on-one-rank", tmp_path, timeout=60)
+    assert codes == [0, 0]
+    first, second = reports
+    assert first is not None
+    assert second is not None
+    assert second["error"].startswith("ConfigurationError: gradient_clip_val")
+    assert first["error_rank"] == 1
+    assert first["error_type"].endswith("ConfigurationError")
+    assert seconds < 30
+
+
 @pytest.mark.parametrize("exchange", ["packed", "apart"])
 def test_ranks_in_different_trainers_calls_say_so(tmp_path: Path, exchange: str) -> None:
     # Rank 0 fits trainer A then B, rank 1 B then A, of one model: each exchange met the

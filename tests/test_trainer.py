@@ -3079,6 +3079,16 @@ async def test_fit_ends_its_event_streams_when_it_fails_before_training() -> Non
     events = [event async for event in stream]
     assert [type(event).__name__ for event in events] == ["FitEnded"]
     assert "CheckpointError" in (events[0].error or "")
+    # Also when an option assigned on the trainer is refused: it was checked before the
+    # part of fit that publishes FitEnded, and a consumer waited for it for ever.
+    trainer.gradient_clip_val = -1.0
+    stream = trainer.events()
+    with pytest.raises(asyncddp.ConfigurationError, match="gradient_clip_val"):
+        await trainer.fit(make_batches([4]), epochs=1)
+    with anyio.fail_after(5):
+        events = [event async for event in stream]
+    assert [type(event).__name__ for event in events] == ["FitEnded"]
+    assert "ConfigurationError" in (events[0].error or "")
 
 
 async def test_a_state_taken_before_any_fit_loads_into_another_trainer() -> None:
