@@ -96,6 +96,7 @@ class Epochs(DistributedSteps):
     _loader_rng: dict[str, Any] | None
     _resumed_loader_rng: dict[str, Any] | None
     _epoch_sums: Sums
+    _epoch_steps: int  # the optimizer steps of the epoch so far
     _epoch_items: dict[str, int]
     _epoch_seconds: float
     _epoch_trained: bool
@@ -266,7 +267,10 @@ class Epochs(DistributedSteps):
             name for name in self._epoch_items if name not in {d.name for d in self.devices}
         ]  # a device dropped earlier in the epoch keeps its count
         tracker = ProgressTracker(
-            len(tracked), mine, start=[self._epoch_items.get(n, 0) for n in tracked]
+            len(tracked),
+            mine,
+            start=[self._epoch_items.get(n, 0) for n in tracked],
+            steps=self._epoch_steps,  # counts never go back in a continued epoch
         )
         started = time.perf_counter() - self._epoch_seconds
         window, seen, exhausted = Window(), skip, True
@@ -406,6 +410,7 @@ class Epochs(DistributedSteps):
             taken = window.sums.items > 0  # else nothing to learn from: no step was taken
             if taken:
                 self.global_step += 1
+                self._epoch_steps += 1
                 if window.sums.counted or self._distributed() or self._scaler is not None:
                     # What the next steps' counts are weighted against (the same on every
                     # rank); across ranks, a step with as many items as this one then needs
@@ -515,6 +520,7 @@ class Epochs(DistributedSteps):
             self._valid_rng = None
             self._batches_loaded, self._left_loading = None, None
             self._epoch_sums, self._epoch_items, self._epoch_seconds = Sums(), {}, 0.0
+            self._epoch_steps = 0
             # Across ranks, rank 0 writes. Owed until written: a fit cancelled, or a write
             # that failed, leaves it to the next fit, which writes it before it trains.
             self._checkpoint_owed = self.checkpoint_dir is not None and (

@@ -56,6 +56,7 @@ class ProgressTracker:
         num_devices: How many devices report counts.
         items_total: Items expected in all, when known.
         start: Items already counted per device (a run continued in mid-epoch).
+        steps: Steps already counted (the same run's).
     """
 
     def __init__(
@@ -64,6 +65,7 @@ class ProgressTracker:
         items_total: int | None = None,
         *,
         start: Sequence[int] | None = None,
+        steps: int = 0,
     ) -> None:
         if num_devices < 1:
             raise ConfigurationError(f"num_devices must be at least 1, got {num_devices}")
@@ -75,7 +77,7 @@ class ProgressTracker:
         # ``start``: counts carried over, for example from before a resume in mid-epoch.
         self._device_items = list(start) if start is not None else [0] * num_devices
         self._items_total = items_total
-        self._steps = 0
+        self._steps = check_int("steps", steps, 0)
 
     def update(self, step_items: Sequence[int], *, step: bool = True) -> Progress:
         """Add one step's item counts (one per device, zero for a device that had none);

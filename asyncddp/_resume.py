@@ -64,6 +64,7 @@ class Resumable(Epochs):
             "valid_rng": self._valid_rng,
             "epoch_sums": _sums_dict(self._epoch_sums),
             "epoch_items": dict(self._epoch_items),
+            "epoch_steps": self._epoch_steps,
             "epoch_seconds": self._epoch_seconds,
             "rng": _checkpoint.capture_rng(),
             "history": [_record_dict(record) for record in self.history],
@@ -99,6 +100,7 @@ class Resumable(Epochs):
         self._checkpoint_owed = False  # of the state this one replaces
         self._epoch_sums = Sums(**state["epoch_sums"]) if state.get("epoch_sums") else Sums()
         self._epoch_items = dict(state.get("epoch_items") or {})
+        self._epoch_steps = int(state.get("epoch_steps") or 0)  # absent from earlier versions
         self._epoch_seconds = float(state.get("epoch_seconds", 0.0))
         self.history = [EpochRecord(**record) for record in state.get("history", [])]
         if self._scaler is not None and state.get("loss_scaler"):

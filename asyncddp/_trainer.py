@@ -347,6 +347,7 @@ class Trainer(Resumable):
         self._loader_rng: dict[str, Any] | None = None
         self._resumed_loader_rng: dict[str, Any] | None = None
         self._epoch_sums = Sums()  # loss and metric sums of the epoch so far
+        self._epoch_steps = 0  # and its optimizer steps
         self._items_ref: float | None = None  # see _reference_count
         self._epoch_items: dict[str, int] = {}  # items of the epoch so far, by device
         self._epoch_seconds = 0.0

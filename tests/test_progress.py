@@ -63,6 +63,15 @@ def test_rejects_bad_counts() -> None:
         ProgressTracker(0)
     with pytest.raises(ValueError, match="items_total"):
         ProgressTracker(1, items_total=-1)
+    with pytest.raises(ValueError, match="steps"):
+        ProgressTracker(1, steps=-1)
+
+
+def test_a_continued_count_carries_on_from_its_items_and_steps() -> None:
+    tracker = ProgressTracker(2, 20, start=[4, 3], steps=2)
+    assert (tracker.progress.items_processed, tracker.progress.steps) == (7, 2)
+    progress = tracker.update([2, 1])
+    assert (progress.items_processed, progress.device_items, progress.steps) == (10, (6, 4), 3)
 
 
 def test_progress_reads_well() -> None:

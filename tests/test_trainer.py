@@ -9,7 +9,7 @@ import re
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, ClassVar
 
 import anyio
@@ -1628,6 +1628,35 @@ async def test_save_checkpoint_publishes_checkpoint_saved_with_the_step_it_holds
         assert (event.epoch, event.step) == (state["epoch"], state["global_step"])
     assert saved[0].step == 0
     assert saved[1].step >= 3  # saved after step 2 ended, between two steps
+
+
+async def test_progress_counts_carry_on_in_an_epoch_continued_or_resumed(tmp_path: Any) -> None:
+    # Items carried on where an epoch was continued (after a stop, or from a checkpoint), but
+    # Progress.steps began at 1 again: it went back, 3 then 1.
+    batches = make_batches([4] * 6)
+
+    async def told(trainer: Trainer, fit: Callable[[], Awaitable[Any]]) -> list[tuple[int, int]]:
+        stream = trainer.events()
+        await fit()
+        return [
+            (e.progress.items_processed, e.progress.steps)
+            async for e in stream
+            if isinstance(e, StepEnded)
+        ]
+
+    def make() -> Trainer:
+        return Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+
+    uninterrupted = make()
+    expected = await told(uninterrupted, lambda: uninterrupted.fit(batches, epochs=1))
+    assert expected == [(4 * n, n) for n in range(1, 7)]
+    stopped = make()
+    first = await told(stopped, lambda: fit_until_stopped(stopped, batches, epochs=1, at_step=2))
+    path = await stopped.save_checkpoint(tmp_path / "stopped.ckpt")
+    assert first + await told(stopped, lambda: stopped.fit(batches, epochs=1)) == expected
+    resumed = make()
+    rest = await told(resumed, lambda: resumed.fit(batches, epochs=1, resume=path))
+    assert first + rest == expected
 
 
 async def test_a_slow_event_consumer_never_holds_training_back() -> None:
