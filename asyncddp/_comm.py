@@ -558,7 +558,7 @@ class Comm:
         if round(row[_TRAINER]) != self.tag * self.world_size:
             # Another trainer's exchange, on some rank: its figures (and a step's gradients,
             # summed into this one's) are not this trainer's.
-            raise ConfigurationError(
+            raise _disagreement(
                 "the ranks are in different trainers' calls: this rank's exchange met another "
                 "trainer's on some rank. Every rank must make its trainers' calls in the same "
                 "order, one at a time (across processes a trainer's call is refused while "
@@ -572,7 +572,7 @@ class Comm:
                 if self.world_size == 2 and other in _EXCHANGES
                 else "another rank elsewhere"
             )
-            raise ConfigurationError(
+            raise _disagreement(
                 f"the ranks are out of step: this rank is at {_EXCHANGES[kind]}, {there}; "
                 "every rank must make the same calls on its trainer (fit, validate), in the "
                 "same order and with the same arguments"
@@ -954,6 +954,22 @@ def _lost_message(rank: int, reason: str) -> str:
         f"rank {rank} stopped answering (its process ended: it died, or finished without "
         f"making this call, which every rank makes; or its host is unreachable): {reason}"
     )
+
+
+def _disagreement(message: str) -> ConfigurationError:
+    """A `ConfigurationError` that every rank raises in the same exchange, which found the
+    ranks' calls do not match (see `disagreement`)."""
+    error = ConfigurationError(message)
+    error.ranks_disagree = True  # type: ignore[attr-defined]
+    return error
+
+
+def disagreement(error: BaseException) -> ConfigurationError | None:
+    """The `_disagreement` that ``error`` is or was caused by (raised in a worker's job, a
+    step's exchange comes wrapped in a `WorkerFailedError`): the error to raise, on every
+    rank, as no device failed."""
+    found = find(error, ConfigurationError)
+    return found if getattr(found, "ranks_disagree", False) else None
 
 
 def find(error: BaseException, kind: type[BaseException]) -> Any:

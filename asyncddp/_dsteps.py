@@ -44,7 +44,7 @@ from ._steps import Steps, Window, phase_from_jobs, shard_items
 from ._sync import bucket_layout
 from ._worker import WorkerContext
 
-__all__ = ["DistributedSteps", "collective"]
+__all__ = ["DistributedSteps", "OtherTrainersCall", "collective"]
 
 #: How long a failing rank waits for the others to hear of it before it raises anyway.
 ANNOUNCE_TIMEOUT = 60.0
@@ -54,6 +54,11 @@ T = TypeVar("T")
 #: The trainer whose fit or validate runs in this process's process group (see
 #: `DistributedSteps._claim_group`), held weakly.
 _GROUP_CALL: weakref.ref[Any] | None = None
+
+
+class OtherTrainersCall(ConfigurationError):
+    """`DistributedSteps._claim_group`'s refusal for another trainer's call (this trainer
+    has none running, so its event streams end: see ``Trainer.fit``)."""
 
 
 async def collective(
@@ -137,23 +142,31 @@ class DistributedSteps(Steps):
     # -- joining -------------------------------------------------------------------------------
 
     def _claim_group(self, call: str) -> bool:
-        """In a process group, refuse ``call`` (``"fit()"``, ``"validate()"``) while another
-        trainer's call runs in this process; else note this one's, until `_release_group`.
-        Returns whether it was noted.
+        """In a process group, refuse ``call`` (``"fit()"``, ``"validate()"``) while a call of
+        this or another trainer runs in this process; else note this one, until
+        `_release_group`. Returns whether it was noted (not outside a process group).
 
         Every trainer's collectives run on asyncddp's one group (`_comm.own_group`). Two
         trainers' calls at once would issue theirs in whatever order their threads reach
         them, and each rank's would meet another trainer's on the others: summed into the
-        wrong model when the sizes match, else gloo aborts a process. Refused before joining,
-        on every rank alike (each makes the same calls in the same order), so no rank waits.
+        wrong model when the sizes match, else gloo aborts a process. Called before the
+        call's first await, so that every rank, making the same calls in the same order,
+        refuses the same one (no rank is left waiting for it). Two calls of one trainer at
+        once would both join (the second's refusal, as its session starts, came after).
         """
         global _GROUP_CALL
         if not distributed.is_initialized():
             return False
         other = _GROUP_CALL() if _GROUP_CALL is not None else None
-        if other is not None and other is not self:
-            running = getattr(other, "_group_call", None) or "a call"
+        if other is self:
+            running = self._group_call
             raise ConfigurationError(
+                f"{call} cannot start while {running} is already running on this trainer: "
+                f"await that {running} first"
+            )
+        if other is not None:
+            running = getattr(other, "_group_call", None) or "a call"
+            raise OtherTrainersCall(
                 f"{call} cannot start while another Trainer's {running} runs in this process: "
                 "across processes one trainer's call runs at a time (the trainers' collectives "
                 "share the process group, and would meet another trainer's on the other "
@@ -164,9 +177,11 @@ class DistributedSteps(Steps):
         self._group_call = call
         return True
 
-    def _release_group(self) -> None:
-        """The end of the call `_claim_group` noted."""
+    def _release_group(self, claimed: bool) -> None:
+        """The end of the call whose `_claim_group` returned ``claimed``."""
         global _GROUP_CALL
+        if not claimed:
+            return
         if _GROUP_CALL is not None and _GROUP_CALL() is self:
             _GROUP_CALL = None
         self._group_call = None
@@ -316,6 +331,9 @@ class DistributedSteps(Steps):
         if isinstance(interrupted, KeyboardInterrupt):  # trio's Ctrl-C, held off meanwhile
             interrupted.__context__ = error
             return interrupted
+        disagreement = _comm.disagreement(error)
+        if disagreement is not None:  # every rank found it in the same exchange
+            return disagreement
         if isinstance(error, WorkerFailedError):
             error.rank = comm.rank
             others = [f.error() for f in failures if f.rank != comm.rank]

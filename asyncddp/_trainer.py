@@ -56,6 +56,7 @@ from ._checks import (
 )
 from ._data import empty_up_front, no_batches
 from ._devices import CPU_HINT, Device, DeviceSpec, resolve_devices
+from ._dsteps import OtherTrainersCall
 from ._epochs import EpochRecord
 from ._events import (
     EventHub,
@@ -509,12 +510,18 @@ class Trainer(Resumable):
             in progress on the loader thread is not waited for: it finishes in the background,
             and the next call over the same data waits for it before reading that data.
         """
-        await self._wait_for_checkpoint_session()
-        self._refuse_if_running("fit()")  # before the try: a running fit's event streams stay open
+        # First, before any await: a call refused is refused on every rank alike (see
+        # _claim_group), and, refused for another trainer's call, this one's streams end.
         try:
-            self._claim_group("fit()")  # refused on every rank alike: nothing to announce
-        except ConfigurationError as error:
+            claimed = self._claim_group("fit()")
+        except OtherTrainersCall as error:
             self._hub.publish(FitEnded(self.epoch, self.global_step, False, error=_describe(error)))
+            raise
+        try:
+            await self._wait_for_checkpoint_session()
+            self._refuse_if_running("fit()")  # outside the try below: a running fit's streams
+        except BaseException:  # stay open
+            self._release_group(claimed)
             raise
         self._stop_reason = None
         self._stop_agreed = False
@@ -589,7 +596,7 @@ class Trainer(Resumable):
             finally:
                 del raised  # no cycle through this frame (see _steps._on_failure)
         finally:
-            self._release_group()
+            self._release_group(claimed)
         if not self._batches_done:  # no epoch left unfinished: let the iterator go
             self._last_iterator = None
         stopped = self._stopping()
@@ -629,9 +636,13 @@ class Trainer(Resumable):
                 trainer (across processes, on any trainer of this process), or an option
                 assigned on it cannot work.
         """
-        await self._wait_for_checkpoint_session()
-        self._refuse_if_running("validate()")  # before the try: no failure to announce
-        self._claim_group("validate()")
+        claimed = self._claim_group("validate()")  # before any await: see fit
+        try:
+            await self._wait_for_checkpoint_session()
+            self._refuse_if_running("validate()")  # outside the try below: nothing to announce
+        except BaseException:
+            self._release_group(claimed)
+            raise
         try:
             await self._join("validate()")
             self._check_options()
@@ -648,7 +659,7 @@ class Trainer(Resumable):
             finally:
                 del raised  # no cycle through this frame (see _steps._on_failure)
         finally:
-            self._release_group()
+            self._release_group(claimed)
 
     def _check_continued(self, data: Iterable[Any], passes: int) -> None:
         """Refuse to continue an epoch with an iterator that was read before: continuing

@@ -726,6 +726,7 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
             report["error"] = None
         except asyncddp.AsyncDDPError as error:
             report["error"] = str(error)
+            report["error_type"] = type(error).__name__
     elif scenario == "option-on-one-rank":  # rank 1 assigns an option that cannot work
         t = trainer(1)
         await t.fit(batches(), epochs=1)
