@@ -480,9 +480,9 @@ class Epochs(DistributedSteps):
             if self._resumed_loader_rng is not None:
                 # Resumed from a checkpoint written after the epoch's training, before its end:
                 # the new train loader's generators go on from where the saved run's were, now,
-                # as the validation may draw from them (one generator for both loaders).
+                # as the validation may draw from them (one generator for both loaders). Again
+                # for a validation run again, until one has run to its end.
                 _checkpoint.restore_loader_rng(train_data, self._resumed_loader_rng)
-                self._resumed_loader_rng = None
             # A validation cut short (a cancellation before the epoch closed) runs again in
             # the next fit: from the same generators' states, so that what it draws (a
             # DataLoader draws its seed in iter(), from torch's generator or its own) is drawn
@@ -497,6 +497,7 @@ class Epochs(DistributedSteps):
             # Where the epoch ends: the validation's iter() drew its seed from the train
             # loader's generator too, where the loaders share one.
             self._loader_rng = _checkpoint.capture_loader_rng(train_data)
+            self._resumed_loader_rng = None  # the generators are where the epoch ends
         stepping = any(replica.scheduler is not None for replica in self._replicas)
         if stepping and self._scheduler is not None and self.lr_scheduler_interval == "epoch":
             # The epoch's last step may have left its optimizer step queued on a lone GPU: the

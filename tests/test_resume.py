@@ -593,7 +593,11 @@ def test_epoch_sums_saved_without_metric_counts_keep_them_over_the_items_so_far(
 # -- a validation cut short --------------------------------------------------------------------
 
 
+VALIDATING = threading.Event()  # set by valid_step: a validation runs
+
+
 def valid_step(model: nn.Module, batch: Any) -> torch.Tensor:
+    VALIDATING.set()
     time.sleep(0.05)  # long enough for a consumer of EpochEnded to cancel the fit meanwhile
     inputs, targets, _ = batch
     return F.mse_loss(model(inputs), targets)
@@ -613,10 +617,11 @@ def validating_trainer(recorder: Recorder) -> Trainer:
     return trainer
 
 
-def shuffled_and_valid(shared: bool = False) -> tuple[DataLoader[Any], DataLoader[Any]]:
-    """Iterating either DataLoader draws its seed from torch's generator (neither has its own),
-    or, ``shared``, from one generator the two loaders share (a reproducibility recipe)."""
-    if not shared:
+def shuffled_and_valid(generators: str = "global") -> tuple[DataLoader[Any], DataLoader[Any]]:
+    """Iterating either DataLoader draws its seed from torch's generator (``"global"``: neither
+    has its own); the train loader's order from a generator of its own (``"train"``); or
+    both from one generator they share (``"shared"``, a reproducibility recipe)."""
+    if generators == "global":
         return (
             DataLoader(Numbered(), batch_size=4, shuffle=True),
             DataLoader(Numbered(), batch_size=8),
@@ -624,15 +629,17 @@ def shuffled_and_valid(shared: bool = False) -> tuple[DataLoader[Any], DataLoade
     generator = torch.Generator().manual_seed(11)
     return (
         DataLoader(Numbered(), batch_size=4, shuffle=True, generator=generator),
-        DataLoader(Numbered(), batch_size=8, generator=generator),
+        DataLoader(
+            Numbered(), batch_size=8, generator=generator if generators == "shared" else None
+        ),
     )
 
 
 async def fit_cancelled_in_validation(
-    trainer: Trainer, *, epochs: int, shared: bool = False
+    trainer: Trainer, *, epochs: int, generators: str = "global"
 ) -> None:
     """``fit``, cancelled from the consumer of epoch 0's ``EpochEnded``: in its validation."""
-    train, valid = shuffled_and_valid(shared)
+    train, valid = shuffled_and_valid(generators)
     stream = trainer.events()
     with anyio.CancelScope() as scope:
 
@@ -649,12 +656,12 @@ async def fit_cancelled_in_validation(
 
 
 async def uninterrupted_with_validation(
-    epochs: int, shared: bool = False
+    epochs: int, generators: str = "global"
 ) -> tuple[torch.Tensor, list[int]]:
     torch.manual_seed(3)
     recorder = Recorder()
     trainer = validating_trainer(recorder)
-    train, valid = shuffled_and_valid(shared)
+    train, valid = shuffled_and_valid(generators)
     await trainer.fit(train, epochs=epochs, valid_data=valid)
     return parameters(trainer), recorder.seen[1]
 
@@ -696,17 +703,17 @@ async def test_an_epoch_end_checkpoint_resumes_loaders_that_share_a_generator(
     # The validation loader's iter() draws its seed from the generator it shares with the
     # train loader. The checkpoint held that generator's state from before the validation,
     # so the resumed run's next epoch was shuffled in another order than an uninterrupted one.
-    expected, order = await uninterrupted_with_validation(2, shared=True)
+    expected, order = await uninterrupted_with_validation(2, generators="shared")
     torch.manual_seed(3)
     first = validating_trainer(Recorder())
     first.checkpoint_dir = tmp_path
-    train, valid = shuffled_and_valid(shared=True)
+    train, valid = shuffled_and_valid("shared")
     await first.fit(train, epochs=1, valid_data=valid)
     torch.manual_seed(999)
     recorder = Recorder()
     resumed = validating_trainer(recorder)
     resumed.checkpoint_dir = tmp_path
-    train, valid = shuffled_and_valid(shared=True)  # a new process's: seeded as at the start
+    train, valid = shuffled_and_valid("shared")  # a new process's: seeded as at the start
     await resumed.fit(train, epochs=2, valid_data=valid, resume="latest")
     assert recorder.seen[1] == order
     torch.testing.assert_close(parameters(resumed), expected, rtol=0, atol=0)
@@ -717,15 +724,48 @@ async def test_a_checkpoint_in_a_validation_cut_short_resumes_loaders_that_share
 ) -> None:
     # Resumed before the epoch's end: the train loader's generator is put back before the
     # validation runs again (it draws from it), not after, over the validation's draw.
-    expected, order = await uninterrupted_with_validation(2, shared=True)
+    expected, order = await uninterrupted_with_validation(2, generators="shared")
     torch.manual_seed(3)
     first = validating_trainer(Recorder())
-    await fit_cancelled_in_validation(first, epochs=2, shared=True)
+    await fit_cancelled_in_validation(first, epochs=2, generators="shared")
     path = await first.save_checkpoint(tmp_path / "cut-short.ckpt")
     torch.manual_seed(999)
     recorder = Recorder()
     resumed = validating_trainer(recorder)
-    train, valid = shuffled_and_valid(shared=True)
+    train, valid = shuffled_and_valid("shared")
     await resumed.fit(train, epochs=2, valid_data=valid, resume=path)
+    assert recorder.seen[1] == order
+    torch.testing.assert_close(parameters(resumed), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("generators", ["global", "train", "shared"])
+async def test_a_resume_cut_short_in_its_validation_again_still_puts_the_generators_back(
+    tmp_path: Any, generators: str
+) -> None:
+    # Resumed before the epoch's end, the train loader's generators were put back as the
+    # validation began, and the saved states forgotten then: cut short there again, the
+    # next fit's new loaders were not put back, and the next epoch shuffled otherwise.
+    expected, order = await uninterrupted_with_validation(2, generators=generators)
+    torch.manual_seed(3)
+    first = validating_trainer(Recorder())
+    await fit_cancelled_in_validation(first, epochs=2, generators=generators)
+    path = await first.save_checkpoint(tmp_path / "cut-short.ckpt")
+    torch.manual_seed(999)
+    recorder = Recorder()
+    resumed = validating_trainer(recorder)
+    train, valid = shuffled_and_valid(generators)
+    VALIDATING.clear()
+    with anyio.CancelScope() as scope:
+
+        async def cancel_in_the_validation() -> None:
+            assert await anyio.to_thread.run_sync(VALIDATING.wait, 30.0)
+            scope.cancel()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(cancel_in_the_validation)
+            await resumed.fit(train, epochs=2, valid_data=valid, resume=path)
+    assert (resumed.epoch, resumed._epoch_trained) == (0, True)
+    train, valid = shuffled_and_valid(generators)  # new loaders, seeded as at the start
+    await resumed.fit(train, epochs=2, valid_data=valid)
     assert recorder.seen[1] == order
     torch.testing.assert_close(parameters(resumed), expected, rtol=0, atol=0)
