@@ -365,8 +365,8 @@ class StepScheduler:
 
     @property
     def progress(self) -> Progress:
-        """Items processed by the steps that ran to their end on every device since the start
-        or the last reset: those that returned, and those cancelled once every job had run."""
+        """Items processed by the steps that returned since the start or the last reset (and by
+        shielded steps cancelled once every job had run: see ``run``'s ``shield``)."""
         return self._tracker.progress
 
     def reset_progress(self, items_total: int | None = None) -> None:
@@ -439,8 +439,8 @@ class StepScheduler:
         await self._aclose()
 
     async def _aclose(self) -> None:
-        # One frame below both aclose and __aexit__: a warning of _close_workers names the
-        # line of their caller (stacklevel=4), the user's ``async with`` or ``aclose()``.
+        # Below both aclose and __aexit__: a warning of _close_workers names the line of their
+        # caller (warn_user), the user's ``async with`` or ``aclose()``.
         if self._state == "closed":
             if self._closed is not None:
                 await self._closed.wait()  # another task is closing it: wait for the joins
