@@ -442,6 +442,52 @@ def on_meta(model: nn.Module) -> nn.Module | None:
         return None
 
 
+def fresh_states(
+    model: nn.Module,
+    make_optimizer: Callable[[Any], Any],
+    make_scheduler: Callable[[Any], Any] | None,
+) -> tuple[Any, Any]:
+    """The ``state_dict()`` of the optimizer the factory builds over ``model``'s trainable
+    parameters, and of the LR scheduler over that, before any step: what a trainer's state
+    holds before its first fit has built them, so that loading it later sets them back to their
+    start (Adam's moments emptied, the schedule's first rate). Built over a probe (`on_meta`):
+    no memory, the model untouched. ``(None, None)`` where either cannot be built so (a
+    factory that refuses meta tensors, a model that cannot be copied), or holds a tensor of
+    the probe's."""
+    probe = on_meta(model)
+    if probe is None:
+        return None, None
+    optimizer = made(make_optimizer, [p for p in probe.parameters() if p.requires_grad])
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return None, None
+    scheduler = made(make_scheduler, optimizer) if make_scheduler is not None else None
+    if make_scheduler is not None and scheduler is None:
+        return None, None
+    try:
+        states = (
+            copy.deepcopy(optimizer.state_dict()),
+            copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None,
+        )
+    except Exception:
+        return None, None
+    tensors: list[torch.Tensor] = []
+    _collect_tensors(states, tensors)
+    if any(tensor.is_meta for tensor in tensors):
+        return None, None
+    return states
+
+
+def _collect_tensors(value: Any, into: list[torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        into.append(value)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            _collect_tensors(item, into)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _collect_tensors(item, into)
+
+
 def position_of(path: Path) -> tuple[int, int]:
     """The epochs and optimizer steps done that a checkpoint's name (`checkpoint_name`) says."""
     match = _NAME.match(path.name)

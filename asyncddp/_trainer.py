@@ -760,6 +760,12 @@ class Trainer(Resumable):
             # Loaded before any fit built the replicas: the loaded optimizer and LR scheduler.
             pending = self._pending_state
             optimizer, scheduler = pending.get("optimizer"), pending.get("lr_scheduler")
+        elif first is None:
+            # Not built yet: as the factories build them, so that this state, loaded after
+            # a fit, sets them back to their start too.
+            optimizer, scheduler = _checkpoint.fresh_states(
+                self._source, self._optimizer_factory, self._scheduler_factory
+            )
         else:
             optimizer = to_cpu(first.optimizer.state_dict()) if first else None
             scheduler = first.scheduler.state_dict() if first and first.scheduler else None

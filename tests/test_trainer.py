@@ -3130,6 +3130,33 @@ async def test_a_state_taken_before_any_fit_loads_into_another_trainer() -> None
     assert trainer.global_step == 2
 
 
+async def test_a_state_taken_before_any_fit_sets_the_optimizer_and_schedule_back_to_start() -> None:
+    # It held no optimizer or LR scheduler (none built yet), so loading it after a fit left
+    # Adam's moments and the decayed rate: the next epoch went 0.19 away from a new trainer's.
+    def make() -> Trainer:
+        return Trainer(
+            make_model(),
+            functools.partial(torch.optim.Adam, lr=0.05),
+            loss_step,
+            devices=cpu_devices(2),
+            progress_bar=False,
+            lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.1),
+        )
+
+    batches = make_batches([4, 4, 4])
+    fresh = make()
+    await fresh.fit(batches, epochs=1)
+    trainer = make()
+    start = trainer.state_dict()
+    assert start["optimizer"]["state"] == {}
+    assert start["lr_scheduler"]["last_epoch"] == 0
+    await trainer.fit(batches, epochs=2)
+    trainer.load_state_dict(start)
+    await trainer.fit(batches, epochs=1)
+    for name, param in fresh.model.state_dict().items():
+        assert torch.equal(trainer.model.state_dict()[name], param), name
+
+
 def batchnorm_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(FEATURES, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
