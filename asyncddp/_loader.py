@@ -244,6 +244,15 @@ class Prefetcher:
         finally:
             self._drawing.release()
 
+    def hold(self, timeout: float) -> bool:
+        """`paused`, from the event loop's thread, blocking it up to ``timeout`` seconds for a
+        batch being loaded; whether the thread is held (then `release` it)."""
+        return self._drawing.acquire(True, timeout)
+
+    def release(self) -> None:
+        """End a `hold`."""
+        self._drawing.release()
+
     def used_up(self) -> bool | None:
         """Whether the data has no batch left, where that is known without waiting for the
         loader thread: True once it reached the end, False while a batch (or a failure) waits

@@ -53,6 +53,7 @@ from ._checks import (
     check_path,
     check_positive,
     check_seconds,
+    warn_user,
 )
 from ._data import empty_up_front, no_batches
 from ._devices import CPU_HINT, Device, DeviceSpec, resolve_devices
@@ -740,11 +741,19 @@ class Trainer(Resumable):
 
         Call it while no step runs: between calls, or from an event consumer during a fit
         before it awaits anything (the fit waits for it between steps); `save_checkpoint`
-        writes the state at any time.
+        writes the state at any time, off the event loop. During a fit it holds the loader
+        thread between two batches, as a checkpoint does, so that the batches loaded ahead and
+        the random number generators they drew from are taken together: if that thread is
+        inside a ``next()``, it waits for it, on the event loop, up to a second.
 
         Raises:
             ConfigurationError: a step of a fit is in progress (its optimizer step may be
                 half done).
+
+        Warns:
+            AsyncDDPWarning: during a fit, the loader thread was still inside a ``next()``
+                after a second: a resume from this state may draw the random numbers of the
+                batches loaded ahead otherwise than the fit did (`save_checkpoint` waits).
         """
         if self._session_kind is not None and self._window_open:
             raise ConfigurationError(
@@ -773,8 +782,30 @@ class Trainer(Resumable):
             "model": to_cpu(self.model.state_dict()),
             "optimizer": optimizer,
             "lr_scheduler": scheduler,
-            **self._position(),
+            **self._held_position(),
         }
+
+    def _held_position(self) -> dict[str, Any]:
+        """`_position`, for `state_dict`: with a running epoch's loader thread held between two
+        batches (as `_snapshot` holds it), or, if it is still inside a ``next()`` after a
+        second, as it is, with a warning."""
+        loading = self._loading
+        if loading is None:
+            return self._position()
+        if loading.hold(timeout=1.0):
+            try:
+                return self._position(loading.loaded)
+            finally:
+                loading.release()
+        warn_user(
+            "state_dict() during a fit: the loader thread was still reading a batch after 1 s, "
+            "so the state holds the random number generators as they were while it drew; a "
+            "resume from it may shuffle or augment the batches loaded ahead otherwise than this "
+            "fit did. await save_checkpoint() instead, which waits for that batch off the "
+            "event loop",
+            AsyncDDPWarning,
+        )
+        return self._position()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Load a state from `state_dict` or a checkpoint, into every replica.
