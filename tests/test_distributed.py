@@ -1585,6 +1585,25 @@ def test_a_failure_without_a_cause_reaches_the_other_ranks_naming_its_rank() -> 
     assert timeout.rank is None  # this rank's own error is named where it is raised
 
 
+def fit_in(group: Any, trainer: asyncddp.Trainer) -> Any:
+    """Start ``trainer.fit`` (2 epochs of the scenarios' batches) in the task group ``group``;
+    an ``anyio.Event`` set once its first step has ended."""
+    import anyio
+
+    stepped = anyio.Event()
+    stream = trainer.events()
+
+    async def note_a_step() -> None:
+        async for event in stream:
+            if isinstance(event, asyncddp.StepEnded):
+                stepped.set()
+                return
+
+    group.start_soon(note_a_step)
+    group.start_soon(functools.partial(trainer.fit, worker.batches(), epochs=2))
+    return stepped
+
+
 def test_a_second_trainer_s_call_in_a_process_group_is_refused_while_one_runs() -> None:
     # Every trainer's collectives share asyncddp's group: two calls at once met each other's
     # on the other ranks (summed into the wrong model, or a gloo abort), silently. Refused on
@@ -1595,18 +1614,8 @@ def test_a_second_trainer_s_call_in_a_process_group_is_refused_while_one_runs() 
     reference = one_device_trainer()
 
     async def run() -> None:
-        stepped = anyio.Event()
-
-        async def note_a_step() -> None:
-            async for event in first.events():
-                if isinstance(event, asyncddp.StepEnded):
-                    stepped.set()
-                    return
-
         async with anyio.create_task_group() as group:
-            group.start_soon(note_a_step)
-            group.start_soon(functools.partial(first.fit, worker.batches(), epochs=2))
-            await stepped.wait()
+            await fit_in(group, first).wait()
             for call, name in (
                 (functools.partial(second.fit, worker.batches(), epochs=1), "fit()"),
                 (functools.partial(second.validate, worker.batches()), "validate()"),
@@ -1635,17 +1644,8 @@ def test_a_second_call_of_the_same_trainer_in_a_process_group_leaves_the_first_s
     first, second = one_device_trainer(), one_device_trainer()
 
     async def run() -> None:
-        stepped = anyio.Event()
-
-        async def note_a_step() -> None:
-            async for event in first.events():
-                if isinstance(event, asyncddp.StepEnded):
-                    stepped.set()
-                    return
-
         async with anyio.create_task_group() as group:
-            group.start_soon(note_a_step)
-            group.start_soon(functools.partial(first.fit, worker.batches(), epochs=2))
+            stepped = fit_in(group, first)
             await anyio.lowlevel.checkpoint()  # the fit has begun: it is joining
             with pytest.raises(asyncddp.ConfigurationError, match="already running on this"):
                 await first.fit(worker.batches(), epochs=2)
