@@ -451,30 +451,43 @@ def fresh_states(
     parameters, and of the LR scheduler over that, before any step: what a trainer's state
     holds before its first fit has built them, so that loading it later sets them back to their
     start (Adam's moments emptied, the schedule's first rate). Built over a probe (`on_meta`):
-    no memory, the model untouched. ``(None, None)`` where either cannot be built so (a
-    factory that refuses meta tensors, a model that cannot be copied), or holds a tensor of
-    the probe's."""
+    no memory, the model untouched; an optimizer that makes its state as it is built
+    (Adagrad's sums) would hold the probe's empty tensors, so it is built over the model's own
+    parameters instead (its state's memory, for a moment; the parameters are not written).
+    ``(None, None)`` where they cannot be built (a factory that raises)."""
     probe = on_meta(model)
-    if probe is None:
-        return None, None
-    optimizer = made(make_optimizer, [p for p in probe.parameters() if p.requires_grad])
+    if probe is not None:
+        states = _fresh_states(probe, make_optimizer, make_scheduler)
+        if states is not None and not any(t.is_meta for t in _tensors_in(states)):
+            return states
+    states = _fresh_states(model, make_optimizer, make_scheduler)
+    return states if states is not None else (None, None)
+
+
+def _fresh_states(
+    model: nn.Module,
+    make_optimizer: Callable[[Any], Any],
+    make_scheduler: Callable[[Any], Any] | None,
+) -> tuple[Any, Any] | None:
+    optimizer = made(make_optimizer, [p for p in model.parameters() if p.requires_grad])
     if not isinstance(optimizer, torch.optim.Optimizer):
-        return None, None
+        return None
     scheduler = made(make_scheduler, optimizer) if make_scheduler is not None else None
     if make_scheduler is not None and scheduler is None:
-        return None, None
+        return None
     try:
-        states = (
+        return (
             copy.deepcopy(optimizer.state_dict()),
             copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None,
         )
     except Exception:
-        return None, None
-    tensors: list[torch.Tensor] = []
-    _collect_tensors(states, tensors)
-    if any(tensor.is_meta for tensor in tensors):
-        return None, None
-    return states
+        return None
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    _collect_tensors(value, found)
+    return found
 
 
 def _collect_tensors(value: Any, into: list[torch.Tensor]) -> None:
@@ -530,8 +543,8 @@ def check_writable(folder: Path) -> None:
         ) from exc
 
 
-#: A temporary file `save` writes, ``.NAME.XXXXXXXX.tmp`` (``tempfile.mkstemp``'s random part
-#: has no dot); a killed process leaves it.
+#: A temporary file `save` writes, ``.NAME.XXXXXXXX.tmp`` (`_create_temporary`'s random part,
+#: hex, as ``tempfile.mkstemp``'s in earlier versions, has no dot); a killed process leaves it.
 _TEMPORARY = re.compile(r"^\.(?P<name>.+)\.\w+\.tmp$")
 #: Seconds since its last write after which such a file is taken as left by a killed write: no
 #: live writer leaves one unwritten so long (torch.save writes it through, then fsyncs).

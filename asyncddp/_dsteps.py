@@ -113,7 +113,7 @@ class DistributedSteps(Steps):
     _data_seed: int | None
     _warned_alone: bool
     _cancelled_in_step: BaseException | None
-    _group_call: str | None  # the call `_claim_group` noted, until it ends
+    _running_call: str | None  # the fit() or validate() running (see Trainer._begin_call)
     epoch: int
 
     def _distributed(self) -> bool:
@@ -141,31 +141,24 @@ class DistributedSteps(Steps):
 
     # -- joining -------------------------------------------------------------------------------
 
-    def _claim_group(self, call: str) -> bool:
-        """In a process group, refuse ``call`` (``"fit()"``, ``"validate()"``) while a call of
-        this or another trainer runs in this process; else note this one, until
-        `_release_group`. Returns whether it was noted (not outside a process group).
+    def _claim_group(self, call: str) -> None:
+        """In a process group, refuse ``call`` (``"fit()"``, ``"validate()"``) while another
+        trainer's call runs in this process (`OtherTrainersCall`); else note this one's, until
+        `_release_group`.
 
         Every trainer's collectives run on asyncddp's one group (`_comm.own_group`). Two
         trainers' calls at once would issue theirs in whatever order their threads reach
         them, and each rank's would meet another trainer's on the others: summed into the
         wrong model when the sizes match, else gloo aborts a process. Called before the
-        call's first await, so that every rank, making the same calls in the same order,
-        refuses the same one (no rank is left waiting for it). Two calls of one trainer at
-        once would both join (the second's refusal, as its session starts, came after).
+        call's first await (``Trainer._begin_call``), so that every rank, making the same calls
+        in the same order, refuses the same one (no rank is left waiting for it).
         """
         global _GROUP_CALL
         if not distributed.is_initialized():
-            return False
+            return
         other = _GROUP_CALL() if _GROUP_CALL is not None else None
-        if other is self:
-            running = self._group_call
-            raise ConfigurationError(
-                f"{call} cannot start while {running} is already running on this trainer: "
-                f"await that {running} first"
-            )
-        if other is not None:
-            running = getattr(other, "_group_call", None) or "a call"
+        if other is not None and other is not self:
+            running = getattr(other, "_running_call", None) or "a call"
             raise OtherTrainersCall(
                 f"{call} cannot start while another Trainer's {running} runs in this process: "
                 "across processes one trainer's call runs at a time (the trainers' collectives "
@@ -174,17 +167,12 @@ class DistributedSteps(Steps):
                 "order on every rank"
             )
         _GROUP_CALL = weakref.ref(self)
-        self._group_call = call
-        return True
 
-    def _release_group(self, claimed: bool) -> None:
-        """The end of the call whose `_claim_group` returned ``claimed``."""
+    def _release_group(self) -> None:
+        """The end of the call `_claim_group` noted (if it noted one)."""
         global _GROUP_CALL
-        if not claimed:
-            return
         if _GROUP_CALL is not None and _GROUP_CALL() is self:
             _GROUP_CALL = None
-        self._group_call = None
 
     async def _join(self, call: str) -> None:
         """Join the process group's training, once, if this process is in one; ``call`` is

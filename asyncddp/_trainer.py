@@ -380,7 +380,7 @@ class Trainer(Resumable):
         self._stop_agreed = False  # every rank knows of a stop() (only then do they stop)
         self._data_seed: int | None = None  # how the ranks shuffle alike
         self._warned_alone = False  # see DistributedSteps._join
-        self._group_call: str | None = None  # see DistributedSteps._claim_group
+        self._running_call: str | None = None  # see _begin_call
         self._queued_undos: list[JobQueuedError] = []  # see _check_queued_undos
         self._from_rank_0 = False  # across ranks: whether rank 0's model was taken yet
         self._cancelled_in_step: BaseException | None = None  # raised once the step is counted
@@ -511,18 +511,18 @@ class Trainer(Resumable):
             in progress on the loader thread is not waited for: it finishes in the background,
             and the next call over the same data waits for it before reading that data.
         """
-        # First, before any await: a call refused is refused on every rank alike (see
-        # _claim_group), and, refused for another trainer's call, this one's streams end.
+        # First, before any await (see _begin_call). Refused for another trainer's call, this
+        # one's streams end; refused for this trainer's own, that call's streams stay open.
         try:
-            claimed = self._claim_group("fit()")
+            self._begin_call("fit()")
         except OtherTrainersCall as error:
             self._hub.publish(FitEnded(self.epoch, self.global_step, False, error=_describe(error)))
             raise
         try:
             await self._wait_for_checkpoint_session()
-            self._refuse_if_running("fit()")  # outside the try below: a running fit's streams
-        except BaseException:  # stay open
-            self._release_group(claimed)
+            self._refuse_if_running("fit()", calls=False)
+        except BaseException:
+            self._end_call()
             raise
         self._stop_reason = None
         self._stop_agreed = False
@@ -597,7 +597,7 @@ class Trainer(Resumable):
             finally:
                 del raised  # no cycle through this frame (see _steps._on_failure)
         finally:
-            self._release_group(claimed)
+            self._end_call()
         if not self._batches_done:  # no epoch left unfinished: let the iterator go
             self._last_iterator = None
         stopped = self._stopping()
@@ -637,12 +637,12 @@ class Trainer(Resumable):
                 trainer (across processes, on any trainer of this process), or an option
                 assigned on it cannot work.
         """
-        claimed = self._claim_group("validate()")  # before any await: see fit
+        self._begin_call("validate()")  # before any await: see fit
         try:
             await self._wait_for_checkpoint_session()
-            self._refuse_if_running("validate()")  # outside the try below: nothing to announce
+            self._refuse_if_running("validate()", calls=False)
         except BaseException:
-            self._release_group(claimed)
+            self._end_call()
             raise
         try:
             await self._join("validate()")
@@ -660,7 +660,7 @@ class Trainer(Resumable):
             finally:
                 del raised  # no cycle through this frame (see _steps._on_failure)
         finally:
-            self._release_group(claimed)
+            self._end_call()
 
     def _check_continued(self, data: Iterable[Any], passes: int) -> None:
         """Refuse to continue an epoch with an iterator that was read before: continuing
@@ -744,7 +744,7 @@ class Trainer(Resumable):
         writes the state at any time, off the event loop. During a fit it holds the loader
         thread between two batches, as a checkpoint does, so that the batches loaded ahead and
         the random number generators they drew from are taken together: if that thread is
-        inside a ``next()``, it waits for it, on the event loop, up to a second.
+        inside a ``next()``, it waits for it, on the event loop, up to 0.25 s.
 
         Raises:
             ConfigurationError: a step of a fit is in progress (its optimizer step may be
@@ -752,8 +752,9 @@ class Trainer(Resumable):
 
         Warns:
             AsyncDDPWarning: during a fit, the loader thread was still inside a ``next()``
-                after a second: a resume from this state may draw the random numbers of the
-                batches loaded ahead otherwise than the fit did (`save_checkpoint` waits).
+                after 0.25 s: a resume from this state may draw the random numbers of the
+                batches loaded ahead otherwise than the fit did (`save_checkpoint` waits, off
+                the event loop).
         """
         if self._session_kind is not None and self._window_open:
             raise ConfigurationError(
@@ -787,18 +788,18 @@ class Trainer(Resumable):
 
     def _held_position(self) -> dict[str, Any]:
         """`_position`, for `state_dict`: with a running epoch's loader thread held between two
-        batches (as `_snapshot` holds it), or, if it is still inside a ``next()`` after a
-        second, as it is, with a warning."""
+        batches (as `_snapshot` holds it), or, if it is still inside a ``next()`` after
+        0.25 s (the event loop waits meanwhile), as it is, with a warning."""
         loading = self._loading
         if loading is None:
             return self._position()
-        if loading.hold(timeout=1.0):
+        if loading.hold(timeout=0.25):
             try:
                 return self._position(loading.loaded)
             finally:
                 loading.release()
         warn_user(
-            "state_dict() during a fit: the loader thread was still reading a batch after 1 s, "
+            "state_dict() during a fit: the loader thread was still reading a batch after 0.25 s, "
             "so the state holds the random number generators as they were while it drew; a "
             "resume from it may shuffle or augment the batches loaded ahead otherwise than this "
             "fit did. await save_checkpoint() instead, which waits for that batch off the "
@@ -832,7 +833,9 @@ class Trainer(Resumable):
     @contextlib.asynccontextmanager
     async def _session(self, kind: str) -> AsyncIterator[StepScheduler]:
         """Worker threads for one fit, validate or checkpoint call."""
-        self._refuse_if_running("save_checkpoint()" if kind == "checkpoint" else f"{kind}()")
+        self._refuse_if_running(
+            "save_checkpoint()" if kind == "checkpoint" else f"{kind}()", calls=False
+        )
         self._stragglers = [thread for thread in self._stragglers if thread.is_alive()]
         if self._stragglers:
             names = ", ".join(thread.name for thread in self._stragglers)
@@ -981,12 +984,32 @@ class Trainer(Resumable):
         if self.checkpoint_dir is not None:
             self.checkpoint_dir = Path(self.checkpoint_dir).expanduser()
 
-    def _refuse_if_running(self, call: str) -> None:
-        """Refuse ``call`` (``"fit()"``, say) while a fit, validation or checkpoint runs."""
-        running = self._session_kind
-        if running is None:
+    def _begin_call(self, call: str) -> None:
+        """Note ``call`` (``"fit()"``, ``"validate()"``) as running on this trainer, from its
+        first line to its end (`_end_call`), or refuse it: while another call runs on this
+        trainer (one still joining or waiting for a checkpoint, before its session, too: both
+        went on, and the refused one, refused only as its session began, published its
+        FitEnded to the running fit's streams), or, in a process group, another trainer's
+        (`_claim_group`). Called before the call's first await; a checkpoint being written
+        is waited for after it."""
+        self._refuse_if_running(call, sessions=False)
+        self._claim_group(call)
+        self._running_call = call
+
+    def _end_call(self) -> None:
+        self._release_group()
+        self._running_call = None
+
+    def _refuse_if_running(self, call: str, *, sessions: bool = True, calls: bool = True) -> None:
+        """Refuse ``call`` (``"fit()"``, say) while, ``sessions``, a fit, validation or
+        checkpoint session runs, or, ``calls``, a fit or validate call (see `_begin_call`)."""
+        if sessions and self._session_kind is not None:
+            kind = self._session_kind
+            running = "save_checkpoint()" if kind == "checkpoint" else f"{kind}()"
+        elif calls and self._running_call is not None:
+            running = self._running_call
+        else:
             return
-        running = "save_checkpoint()" if running == "checkpoint" else f"{running}()"
         worker = current_worker()
         if worker is not None:
             raise ConfigurationError(

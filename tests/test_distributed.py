@@ -1644,6 +1644,10 @@ def test_a_second_call_of_the_same_trainer_in_a_process_group_leaves_the_first_s
     first, second = one_device_trainer(), one_device_trainer()
 
     async def run() -> None:
+        with anyio.fail_after(60):  # before the fix, the second fit ran beside the first
+            await both()
+
+    async def both() -> None:
         async with anyio.create_task_group() as group:
             stepped = fit_in(group, first)
             await anyio.lowlevel.checkpoint()  # the fit has begun: it is joining

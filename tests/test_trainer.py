@@ -905,6 +905,50 @@ async def test_a_call_while_a_fit_runs_is_refused_saying_which_and_what_to_do() 
     assert refused["fit"].startswith("fit() cannot start while fit() is already running")
 
 
+async def test_a_second_fit_before_the_first_s_session_leaves_the_first_and_its_streams(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first fit was still before its session (looking at checkpoint_dir): the second
+    # went on, was refused only as its own session began, and published its FitEnded to the
+    # first fit's streams, which ended there; it had also cleared the first one's stop().
+    looking, go_on = anyio.Event(), anyio.Event()
+    check = Trainer._check_checkpoint_dir
+
+    async def held_check(self: Trainer) -> None:
+        if not looking.is_set():  # the first fit's
+            looking.set()
+            await go_on.wait()
+        await check(self)
+
+    monkeypatch.setattr(Trainer, "_check_checkpoint_dir", held_check)
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        loss_step,
+        devices=cpu_devices(2),
+        progress_bar=False,
+        checkpoint_dir=tmp_path,
+    )
+    stream = trainer.events()
+    async with anyio.create_task_group() as group:
+        group.start_soon(functools.partial(trainer.fit, make_batches([4, 4, 4]), epochs=1))
+        await looking.wait()
+        assert trainer._session_kind is None  # the first fit is before its session
+        for call in (
+            lambda: trainer.fit(make_batches([4])),
+            lambda: trainer.validate(make_batches([4])),
+        ):
+            with pytest.raises(ConfigurationError, match="already running on this trainer"):
+                await call()
+        go_on.set()
+    kinds = [type(event).__name__ async for event in stream]
+    assert kinds == [
+        "FitStarted", "StepEnded", "StepEnded", "StepEnded", "EpochEnded", "CheckpointSaved",
+        "FitEnded",
+    ]  # fmt: skip
+    assert trainer.global_step == 3
+
+
 async def test_state_dict_is_refused_while_a_step_is_in_progress() -> None:
     # It read an optimizer state half stepped.
     inside, release = threading.Event(), threading.Event()
@@ -3130,13 +3174,16 @@ async def test_a_state_taken_before_any_fit_loads_into_another_trainer() -> None
     assert trainer.global_step == 2
 
 
-async def test_a_state_taken_before_any_fit_sets_the_optimizer_and_schedule_back_to_start() -> None:
+@pytest.mark.parametrize("kind", ["Adam", "Adagrad"])  # Adagrad makes its state as it is built
+async def test_a_state_taken_before_any_fit_sets_the_optimizer_and_schedule_back_to_start(
+    kind: str,
+) -> None:
     # It held no optimizer or LR scheduler (none built yet), so loading it after a fit left
     # Adam's moments and the decayed rate: the next epoch went 0.19 away from a new trainer's.
     def make() -> Trainer:
         return Trainer(
             make_model(),
-            functools.partial(torch.optim.Adam, lr=0.05),
+            functools.partial(getattr(torch.optim, kind), lr=0.05),
             loss_step,
             devices=cpu_devices(2),
             progress_bar=False,
@@ -3148,7 +3195,7 @@ async def test_a_state_taken_before_any_fit_sets_the_optimizer_and_schedule_back
     await fresh.fit(batches, epochs=1)
     trainer = make()
     start = trainer.state_dict()
-    assert start["optimizer"]["state"] == {}
+    assert start["optimizer"] is not None
     assert start["lr_scheduler"]["last_epoch"] == 0
     await trainer.fit(batches, epochs=2)
     trainer.load_state_dict(start)
