@@ -820,3 +820,29 @@ async def test_a_state_dict_taken_by_an_event_consumer_mid_fit_resumes_exactly(
     resumed.load_state_dict(taken[0])
     await resumed.fit(loader(), epochs=2)
     torch.testing.assert_close(parameters(resumed), parameters(uninterrupted), rtol=0, atol=0)
+
+
+async def test_a_state_dict_mid_fit_whose_loader_thread_stays_in_a_next_warns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The loader thread still inside a next() after the wait (a slow or blocked batch): the
+    # state is taken as it is, and the user is told it may not resume exactly.
+    from asyncddp import AsyncDDPWarning
+    from asyncddp._loader import Prefetcher
+
+    monkeypatch.setattr(Prefetcher, "hold", lambda self, timeout: False)
+    trainer = make_trainer(Recorder(), devices=2)
+    stream = trainer.events()
+    taken: list[dict[str, Any]] = []
+
+    async def take_at_step_1() -> None:
+        async for event in stream:
+            if isinstance(event, StepEnded) and event.step == 1:
+                with pytest.warns(AsyncDDPWarning, match="still reading a batch") as warned:
+                    taken.append(trainer.state_dict())
+                assert [w.filename for w in warned] == [__file__]
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(take_at_step_1)
+        await trainer.fit(DataLoader(NoisySamples(False), batch_size=2, shuffle=True), epochs=1)
+    assert taken[0]["global_step"] == 2
