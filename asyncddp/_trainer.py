@@ -521,13 +521,13 @@ class Trainer(Resumable):
         try:
             await self._wait_for_checkpoint_session()
             self._refuse_if_running("fit()", calls=False)
-        except BaseException:
+            self._stop_reason = None
+            self._stop_agreed = False
+            history: list[EpochRecord] = []
+            started, items_before = time.perf_counter(), self._items_trained
+        except BaseException:  # nothing between this and the try below, which ends the call
             self._end_call()
             raise
-        self._stop_reason = None
-        self._stop_agreed = False
-        history: list[EpochRecord] = []
-        started, items_before = time.perf_counter(), self._items_trained
         try:
             # Joined first: every rank counts the call (Comm.begin_call), also one that a
             # check below fails on this rank alone (an option assigned on one rank), and the
@@ -773,8 +773,10 @@ class Trainer(Resumable):
         elif first is None:
             # Not built yet: as the factories build them, so that this state, loaded after
             # a fit, sets them back to their start too.
-            optimizer, scheduler = _checkpoint.fresh_states(
-                self._source, self._optimizer_factory, self._scheduler_factory
+            optimizer, scheduler = to_cpu(
+                _checkpoint.fresh_states(
+                    self._source, self._optimizer_factory, self._scheduler_factory
+                )
             )
         else:
             optimizer = to_cpu(first.optimizer.state_dict()) if first else None
