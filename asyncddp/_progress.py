@@ -26,7 +26,9 @@ class Progress:
             `StepScheduler.reset_progress` starts the count again.
         items_total: Items expected in all, or ``None`` when unknown.
         device_items: Items processed so far by each device, in device order; they sum to
-            ``items_processed``.
+            ``items_processed``. A `Trainer`'s hold its devices' counts, then those of devices
+            that trained earlier in the epoch and are gone (dropped by ``on_failure="drop"``,
+            or named in a checkpoint resumed in mid-epoch on fewer devices).
         steps: Steps completed since the last reset.
     """
 
