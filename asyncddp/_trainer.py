@@ -520,7 +520,6 @@ class Trainer(Resumable):
             raise
         try:
             await self._wait_for_checkpoint_session()
-            self._refuse_if_running("fit()", calls=False)
             self._stop_reason = None
             self._stop_agreed = False
             history: list[EpochRecord] = []
@@ -640,7 +639,6 @@ class Trainer(Resumable):
         self._begin_call("validate()")  # before any await: see fit
         try:
             await self._wait_for_checkpoint_session()
-            self._refuse_if_running("validate()", calls=False)
         except BaseException:
             self._end_call()
             raise
@@ -779,8 +777,8 @@ class Trainer(Resumable):
                 )
             )
         else:
-            optimizer = to_cpu(first.optimizer.state_dict()) if first else None
-            scheduler = first.scheduler.state_dict() if first and first.scheduler else None
+            optimizer = to_cpu(first.optimizer.state_dict())
+            scheduler = first.scheduler.state_dict() if first.scheduler else None
         return {
             "model": to_cpu(self.model.state_dict()),
             "optimizer": optimizer,
