@@ -194,10 +194,7 @@ class EventStream:
                 await self._wakeup.wait()
             finally:
                 self._hub._waiting.discard(self)
-        event = self._queue.popleft()
-        if isinstance(event, FitEnded):
-            self.close()
-        return event
+        return self._queue.popleft()  # after a FitEnded nothing more comes in (see _push)
 
     def close(self) -> None:
         """Stop receiving events; the iteration ends once the buffer is read."""
