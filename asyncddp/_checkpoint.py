@@ -458,7 +458,7 @@ def fresh_states(
     probe = on_meta(model)
     if probe is not None:
         states = _fresh_states(probe, make_optimizer, make_scheduler)
-        if states is not None and not any(t.is_meta for t in _tensors_in(states)):
+        if states is not None and not _holds_meta(states):
             return states
     states = _fresh_states(model, make_optimizer, make_scheduler)
     return states if states is not None else (None, None)
@@ -484,21 +484,15 @@ def _fresh_states(
         return None
 
 
-def _tensors_in(value: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    _collect_tensors(value, found)
-    return found
-
-
-def _collect_tensors(value: Any, into: list[torch.Tensor]) -> None:
+def _holds_meta(value: Any) -> bool:
+    """Whether ``value`` (a state dict: dicts, lists and tuples) holds a meta tensor."""
     if isinstance(value, torch.Tensor):
-        into.append(value)
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            _collect_tensors(item, into)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _collect_tensors(item, into)
+        return value.is_meta
+    if isinstance(value, Mapping):
+        return any(_holds_meta(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_meta(item) for item in value)
+    return False
 
 
 def position_of(path: Path) -> tuple[int, int]:
