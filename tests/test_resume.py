@@ -666,6 +666,20 @@ async def uninterrupted_with_validation(
     return parameters(trainer), recorder.seen[1]
 
 
+async def resumed_with_validation(
+    resume: Any, generators: str, checkpoint_dir: Any = None
+) -> tuple[Trainer, list[int]]:
+    """A new trainer (seeded otherwise) fitted to 2 epochs from ``resume`` on new loaders (a
+    new process's: seeded as at the start); it, and the samples of its epoch 1 in order."""
+    torch.manual_seed(999)
+    recorder = Recorder()
+    resumed = validating_trainer(recorder)
+    resumed.checkpoint_dir = checkpoint_dir
+    train, valid = shuffled_and_valid(generators)
+    await resumed.fit(train, epochs=2, valid_data=valid, resume=resume)
+    return resumed, recorder.seen[1]
+
+
 async def test_a_validation_cut_short_runs_again_as_if_once() -> None:
     # The next fit validates again before it closes the epoch: from the generators' states the
     # first validation began with, or the next epoch's shuffle comes out another order.
@@ -688,12 +702,8 @@ async def test_a_checkpoint_taken_after_a_validation_cut_short_resumes_as_if_onc
     first = validating_trainer(Recorder())
     await fit_cancelled_in_validation(first, epochs=2)
     path = await first.save_checkpoint(tmp_path / "cut-short.ckpt")
-    torch.manual_seed(999)
-    recorder = Recorder()
-    resumed = validating_trainer(recorder)
-    train, valid = shuffled_and_valid()
-    await resumed.fit(train, epochs=2, valid_data=valid, resume=path)
-    assert recorder.seen[1] == order
+    resumed, seen = await resumed_with_validation(path, "global")
+    assert seen == order
     torch.testing.assert_close(parameters(resumed), expected, rtol=0, atol=0)
 
 
@@ -709,13 +719,8 @@ async def test_an_epoch_end_checkpoint_resumes_loaders_that_share_a_generator(
     first.checkpoint_dir = tmp_path
     train, valid = shuffled_and_valid("shared")
     await first.fit(train, epochs=1, valid_data=valid)
-    torch.manual_seed(999)
-    recorder = Recorder()
-    resumed = validating_trainer(recorder)
-    resumed.checkpoint_dir = tmp_path
-    train, valid = shuffled_and_valid("shared")  # a new process's: seeded as at the start
-    await resumed.fit(train, epochs=2, valid_data=valid, resume="latest")
-    assert recorder.seen[1] == order
+    resumed, seen = await resumed_with_validation("latest", "shared", checkpoint_dir=tmp_path)
+    assert seen == order
     torch.testing.assert_close(parameters(resumed), expected, rtol=0, atol=0)
 
 
@@ -729,12 +734,8 @@ async def test_a_checkpoint_in_a_validation_cut_short_resumes_loaders_that_share
     first = validating_trainer(Recorder())
     await fit_cancelled_in_validation(first, epochs=2, generators="shared")
     path = await first.save_checkpoint(tmp_path / "cut-short.ckpt")
-    torch.manual_seed(999)
-    recorder = Recorder()
-    resumed = validating_trainer(recorder)
-    train, valid = shuffled_and_valid("shared")
-    await resumed.fit(train, epochs=2, valid_data=valid, resume=path)
-    assert recorder.seen[1] == order
+    resumed, seen = await resumed_with_validation(path, "shared")
+    assert seen == order
     torch.testing.assert_close(parameters(resumed), expected, rtol=0, atol=0)
 
 
