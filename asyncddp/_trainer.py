@@ -524,7 +524,10 @@ class Trainer(Resumable):
             self._stop_agreed = False
             history: list[EpochRecord] = []
             started, items_before = time.perf_counter(), self._items_trained
-        except BaseException:  # nothing between this and the try below, which ends the call
+        except BaseException as error:  # nothing between this and the try below, which ends
+            # the call. Cancelled in the wait, before joining: its streams end here, and no
+            # other rank hears of it (none has seen this call yet).
+            self._hub.publish(FitEnded(self.epoch, self.global_step, False, error=_describe(error)))
             self._end_call()
             raise
         try:

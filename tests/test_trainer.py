@@ -3164,6 +3164,40 @@ async def test_fit_ends_its_event_streams_when_it_fails_before_training() -> Non
     assert "ConfigurationError" in (events[0].error or "")
 
 
+async def test_a_fit_cancelled_while_it_waits_for_a_checkpoint_ends_its_event_streams(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fit waits for a running save_checkpoint() before it starts; cancelled in that wait,
+    # it published no FitEnded, and a consumer of its events waited for ever.
+    snapshotting, release = anyio.Event(), anyio.Event()
+    snapshot = Trainer._snapshot
+
+    async def held_snapshot(self: Trainer) -> dict[str, Any]:
+        snapshotting.set()
+        await release.wait()
+        return await snapshot(self)
+
+    monkeypatch.setattr(Trainer, "_snapshot", held_snapshot)
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    await trainer.fit(make_batches([4, 4]), epochs=1)
+    stream = trainer.events()
+    async with anyio.create_task_group() as group:
+        group.start_soon(trainer.save_checkpoint, tmp_path / "held.ckpt")
+        await snapshotting.wait()
+        with anyio.move_on_after(0.2) as scope:  # the fit waits for the checkpoint's end
+            await trainer.fit(make_batches([4, 4]), epochs=2)
+        assert scope.cancelled_caught
+        with anyio.fail_after(5):
+            events = [event async for event in stream]
+        release.set()
+    assert [type(event).__name__ for event in events] == ["FitEnded"]
+    assert "Cancel" in (events[0].error or "")
+    assert (events[0].epoch, events[0].step, events[0].stopped) == (1, 2, False)
+    # The call ended: the trainer takes the next one.
+    await trainer.fit(make_batches([4, 4]), epochs=2)
+    assert trainer.global_step == 4
+
+
 async def test_a_state_taken_before_any_fit_loads_into_another_trainer() -> None:
     state = Trainer(
         make_model(seed=3), SGD, loss_step, devices=cpu_devices(2), progress_bar=False
