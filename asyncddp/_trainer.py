@@ -749,7 +749,8 @@ class Trainer(Resumable):
 
         Raises:
             ConfigurationError: a step of a fit is in progress (its optimizer step may be
-                half done).
+                half done), or, before the first fit, the model has parameters not made yet (a
+                lazy module's: run one forward first, as ``fit`` says).
 
         Warns:
             AsyncDDPWarning: during a fit, the loader thread was still inside a ``next()``
@@ -773,7 +774,8 @@ class Trainer(Resumable):
             optimizer, scheduler = pending.get("optimizer"), pending.get("lr_scheduler")
         elif first is None:
             # Not built yet: as the factories build them, so that this state, loaded after
-            # a fit, sets them back to their start too.
+            # a fit, sets them back to their start too (which needs the parameters made).
+            _check_made(self._source)
             optimizer, scheduler = to_cpu(
                 _checkpoint.fresh_states(
                     self._source, self._optimizer_factory, self._scheduler_factory
@@ -1044,14 +1046,7 @@ class Trainer(Resumable):
         # the trained one on a GPU as on the CPU. The other devices train copies of it, each
         # made on its own worker before the module moves (the first job), never from a module
         # half moved.
-        lazy = [name for name, p in source.named_parameters() if nn.parameter.is_lazy(p)]
-        if lazy:
-            raise ConfigurationError(
-                f"trainer.model has parameters not made yet ({', '.join(lazy[:3])}"
-                f"{', ...' if len(lazy) > 3 else ''}: a lazy module, LazyLinear say): run one "
-                "forward on a batch first (model(inputs)), so that they have their shapes, as "
-                "DistributedDataParallel requires too"
-            )
+        _check_made(source)
 
         def copy_source(ctx: Any, _: None) -> nn.Module | None:
             if ctx.device.index == 0:
@@ -1205,6 +1200,18 @@ def _check_takes_model_and_batch(name: str, function: Any) -> None:
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigurationError(message)
+
+
+def _check_made(model: nn.Module) -> None:
+    """Refuse a model whose parameters are not made yet (a lazy module's, before a forward)."""
+    lazy = [name for name, p in model.named_parameters() if nn.parameter.is_lazy(p)]
+    if lazy:
+        raise ConfigurationError(
+            f"trainer.model has parameters not made yet ({', '.join(lazy[:3])}"
+            f"{', ...' if len(lazy) > 3 else ''}: a lazy module, LazyLinear say): run one "
+            "forward on a batch first (model(inputs)), so that they have their shapes, as "
+            "DistributedDataParallel requires too"
+        )
 
 
 def _describe(error: BaseException) -> str:

@@ -2602,9 +2602,16 @@ async def test_a_lazy_module_not_run_yet_is_a_configuration_error(devices: int) 
     trainer = Trainer(model, SGD, loss_step, devices=cpu_devices(devices), progress_bar=False)
     with pytest.raises(ConfigurationError, match=r"0\.weight, 0\.bias: a lazy module.*forward"):
         await trainer.fit(make_batches([4]), epochs=1)
+    # state_dict() before the first fit builds the optimizer's fresh state: it raised torch's
+    # "Attempted to use an uninitialized parameter" ValueError, with no word of what to do.
+    with pytest.raises(ConfigurationError, match=r"0\.weight, 0\.bias: a lazy module.*forward"):
+        trainer.state_dict()
     model(make_batches([1])[0][0])  # as the error says
+    start = trainer.state_dict()
     result = await trainer.fit(make_batches([4]), epochs=1)
     assert result.global_step == 1
+    trainer.load_state_dict(start)
+    assert trainer.global_step == 0
 
 
 class RefilledBuffer:
