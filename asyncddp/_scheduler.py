@@ -297,6 +297,21 @@ def _is_async(fn: object) -> bool:
     return False
 
 
+def _call_on_cancel(on_cancel: Callable[[], None] | None) -> None:
+    """Call a step's ``on_cancel``. One that raises is logged: the step's jobs are still
+    awaited, and the caller gets the step's own error or cancellation, not this one."""
+    if on_cancel is None:
+        return
+    try:
+        on_cancel()
+    except Exception:
+        _log.error(
+            "on_cancel %r raised (it must not); the step's running jobs are awaited anyway",
+            on_cancel,
+            exc_info=True,
+        )
+
+
 def _stop_all(workers: Sequence[DeviceWorker]) -> None:
     for worker in workers:
         worker.stop()
@@ -550,7 +565,8 @@ class StepScheduler:
                 call was cancelled, or a job timed out), once the jobs not yet started are
                 dropped and before the running ones are awaited: for jobs that wait for each
                 other, which it must release (a ``threading.Barrier``'s ``abort``, say). It
-                must not block or raise. Not called with ``shield=True``.
+                must not block; one that raises is logged (the ``asyncddp`` logger) and the
+                step ends as it would have. Not called with ``shield=True``.
 
         Returns:
             The outputs in device order, the item counts and the progress so far.
@@ -563,7 +579,8 @@ class StepScheduler:
             WorkerTimeoutError: A job did not finish within ``step_timeout``.
             KeyboardInterrupt, SystemExit: raised by a job, re-raised here as they are.
             ShardError: ``shards`` or ``items`` does not hold one entry per device.
-            TypeError: ``fn`` is an ``async def`` function.
+            TypeError: ``fn`` is an ``async def`` function or not callable, ``on_cancel`` is
+                not callable, or ``shield`` is not a bool.
             SchedulerClosedError: The scheduler is not open.
 
         Cancellation handling:
@@ -585,6 +602,12 @@ class StepScheduler:
                 "device's worker thread, outside the event loop, so it must be a plain def "
                 "(what you await is run())"
             )
+        if not callable(fn):  # it would fail on every worker, as if each device had failed
+            raise TypeError(f"fn must be a callable job(ctx, shard), got {fn!r}")
+        if on_cancel is not None and not callable(on_cancel):
+            raise TypeError(f"on_cancel must be a callable taking no argument, got {on_cancel!r}")
+        if not isinstance(shield, bool):
+            raise TypeError(f"shield must be True or False, got {shield!r}")
         shards = self._check_shards(shards)
         counts = self._check_items(items, shards)
         number = self._next_step if step is None else step
@@ -610,8 +633,7 @@ class StepScheduler:
                 settled = await self._wait_settled(state, waker, deadline)
             except BaseException:
                 state.cancel()
-                if on_cancel is not None:
-                    on_cancel()
+                _call_on_cancel(on_cancel)
                 await self._drain(state, waker)
                 state.forget_jobs()
                 del state, shards, fn
@@ -619,14 +641,13 @@ class StepScheduler:
         timeout = None if settled else self._timeout_error(state, number, epoch, phase)
         error: BaseException | None = None
         if timeout is not None:
-            if on_cancel is not None and not shield:
-                on_cancel()
+            if not shield:
+                _call_on_cancel(on_cancel)
             error = timeout
         elif state.failures:
             if not shield:
                 state.cancel()
-                if on_cancel is not None:
-                    on_cancel()
+                _call_on_cancel(on_cancel)
                 cancellation = await self._drain(state, waker)
             error = self._failure_error(state, number, epoch, phase)
             if shield and isinstance(error, WorkerFailedError):

@@ -1241,6 +1241,55 @@ async def test_on_cancel_is_not_called_for_a_step_that_succeeds() -> None:
     assert calls == []
 
 
+async def test_a_job_or_on_cancel_that_is_not_callable_is_refused_before_anything_runs() -> None:
+    # fn=None ran on every worker and came back as cpu#1's WorkerFailedError, as if the device
+    # had failed; on_cancel=5 raised TypeError in place of the step's own error, before its
+    # running jobs were awaited.
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        for fn in (None, 5, "job"):
+            with pytest.raises(TypeError, match=r"fn must be a callable job\(ctx, shard\)"):
+                await scheduler.run(fn, [None, None])  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="on_cancel must be a callable"):
+            await scheduler.run(where, [None, None], on_cancel=5)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="shield must be True or False"):
+            await scheduler.run(where, [None, None], shield="yes")  # type: ignore[arg-type]
+        assert scheduler.progress.steps == 0
+        result = await scheduler.run(lambda ctx, shard: ctx.device.name, [None, None])
+    assert result.outputs == ("cpu#0", "cpu#1")
+
+
+async def test_an_on_cancel_that_raises_is_logged_and_the_step_s_own_error_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    finished: list[int] = []
+
+    def job(ctx: WorkerContext, shard: None) -> None:
+        if ctx.device.index == 1:
+            raise RuntimeError("cpu#1 failed")
+        time.sleep(0.3)
+        finished.append(ctx.device.index)
+
+    def on_cancel() -> None:
+        raise ValueError("a broken on_cancel")
+
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        with (
+            caplog.at_level(logging.ERROR, logger="asyncddp"),
+            pytest.raises(WorkerFailedError, match="cpu#1 failed") as info,
+        ):
+            await scheduler.run(job, [None, None], on_cancel=on_cancel)
+        assert finished == [0]  # awaited before the error came
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert "on_cancel" in caplog.text
+        assert "a broken on_cancel" in caplog.text
+        # Cancelled: the cancellation goes on, not the ValueError.
+        with anyio.move_on_after(0.1) as scope:
+            await scheduler.run(
+                lambda ctx, shard: time.sleep(0.3), [None, None], on_cancel=on_cancel
+            )
+        assert scope.cancelled_caught
+
+
 def _tasks() -> set[int]:
     return set(map(int, os.listdir("/proc/self/task")))
 
