@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 import types
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from ._checks import check_int
+from ._checks import check_int, check_positive
 from ._devices import cpu_devices
 from ._worker import WorkerContext, current_worker
 
@@ -87,6 +88,41 @@ def _check_device(device: object, *, names: bool) -> None:
         raise ValueError(f"device must be an index from 0, got {device}")
 
 
+def _check_callable(name: str, value: object) -> None:
+    if not callable(value):
+        raise TypeError(f"{name} must be callable, got {value!r}")
+
+
+def _check_error(error: object) -> None:
+    if error is None or isinstance(error, BaseException):
+        return
+    hint = f"{error.__name__}('...')" if isinstance(error, type) else "ValueError('disk full')"
+    raise TypeError(f"error must be an exception to raise, such as {hint}, got {error!r}")
+
+
+def _check_release(release: object) -> None:
+    wait = getattr(release, "wait", None)
+    if not callable(wait) or inspect.iscoroutinefunction(wait):
+        raise TypeError(
+            "release must be a threading.Event: the job blocks its worker thread in "
+            f"release.wait() until the test sets it; got {release!r}"
+        )
+
+
+def _check_hang(release: object, limit: object) -> float:
+    """The checks of a hang's ``release`` and ``limit``; returns the limit as
+    ``threading.Event.wait`` takes it."""
+    _check_release(release)
+    seconds: float = check_positive("limit", limit, unit="seconds", none=False)
+    return min(seconds, threading.TIMEOUT_MAX)
+
+
+def _raised(error: BaseException) -> BaseException:
+    """``error`` to raise again: without the traceback of its last raise, which would grow
+    with every one and keep each failed step's frames (and their tensors) alive."""
+    return error.with_traceback(None)
+
+
 def fail_on(
     job: Callable[[WorkerContext, S], T],
     *,
@@ -103,14 +139,22 @@ def fail_on(
         step: The step at which it fails; ``None`` fails at every step.
         error: What to raise; by default an `InjectedFailure`.
         times: How many times it fails, then runs as usual; ``None``: every time.
+
+    Raises:
+        TypeError: ``job`` is not callable, ``device`` is not an index, or ``error`` is not
+            an exception.
+        ValueError: ``device`` or ``step`` is below 0, or ``times`` below 1.
     """
+    _check_callable("job", job)
     _check_device(device, names=False)
+    check_int("step", step, 0, none=True)
+    _check_error(error)
     budget = _Budget(times)
 
     def failing(ctx: WorkerContext, shard: S) -> T:
         if ctx.device.index == device and (step is None or ctx.step == step) and budget.take():
             if error is not None:
-                raise error
+                raise _raised(error)
             raise InjectedFailure(
                 f"injected failure on {ctx.device.name} at step {ctx.step}",
                 device_index=ctx.device.index,
@@ -128,16 +172,29 @@ def hang_on(
     release: threading.Event,
     step: int | None = None,
     limit: float = 60.0,
+    times: int | None = None,
 ) -> Callable[[WorkerContext, S], T]:
     """Wrap ``job`` so that it blocks on device ``device`` until ``release`` is set.
 
     The job blocks for ``limit`` seconds at most, so that a test that forgets to release it
     still ends (and its worker thread with it). After the release the job runs as usual.
+    ``times``: how many times it blocks, then runs as usual (``None``: every time).
+
+    Raises:
+        TypeError: ``job`` is not callable, ``device`` is not an index, or ``release`` is
+            not a ``threading.Event`` (an ``asyncio.Event``'s ``wait`` cannot block a thread).
+        ValueError: ``device`` or ``step`` is below 0, ``limit`` not above 0, or ``times``
+            below 1.
     """
+    _check_callable("job", job)
+    _check_device(device, names=False)
+    check_int("step", step, 0, none=True)
+    seconds = _check_hang(release, limit)
+    budget = _Budget(times)
 
     def hanging(ctx: WorkerContext, shard: S) -> T:
-        if ctx.device.index == device and (step is None or ctx.step == step):
-            release.wait(limit)
+        if ctx.device.index == device and (step is None or ctx.step == step) and budget.take():
+            release.wait(seconds)
         return job(ctx, shard)
 
     return hanging
@@ -201,19 +258,24 @@ def failing_step(
             ``times=1`` lets the run go on after it.
 
     Raises:
-        ValueError: ``where`` is not one of the three, or ``times`` is below 1.
-        TypeError: ``device`` is neither an index nor a name.
+        ValueError: ``where`` is not one of the three, ``device`` or ``at`` is below 0, or
+            ``times`` is below 1.
+        TypeError: ``step`` is not callable, ``device`` is neither an index nor a name, or
+            ``error`` is not an exception.
     """
     if where not in ("forward", "backward", "metric"):
         raise ValueError(f"where must be 'forward', 'backward' or 'metric', got {where!r}")
+    _check_callable("step", step)
     _check_device(device, names=True)
+    check_int("at", at, 0, none=True)
+    _check_error(error)
     budget = _Budget(times)
 
     def failing(model: Any, batch: Any) -> Any:
         ctx = _here(device, at)
         if ctx is None or not budget.take():
             return step(model, batch)
-        failure = error if error is not None else _injected_failure(ctx, where)
+        failure = _raised(error) if error is not None else _injected_failure(ctx, where)
         if where == "forward":
             raise failure
         output = step(model, batch)
@@ -233,15 +295,28 @@ def hanging_step(
     release: threading.Event,
     at: int | None = None,
     limit: float = 60.0,
+    times: int | None = None,
 ) -> Callable[[Any, Any], Any]:
     """Wrap a trainer's step so that it blocks on one device until ``release`` is set.
 
     It blocks for ``limit`` seconds at most, so that a test that forgets to release it ends.
+    ``device``, ``at`` and ``times`` as for `failing_step`.
+
+    Raises:
+        TypeError: ``step`` is not callable, ``device`` is neither an index nor a name, or
+            ``release`` is not a ``threading.Event``.
+        ValueError: ``device`` or ``at`` is below 0, ``limit`` not above 0, or ``times``
+            below 1.
     """
+    _check_callable("step", step)
+    _check_device(device, names=True)
+    check_int("at", at, 0, none=True)
+    seconds = _check_hang(release, limit)
+    budget = _Budget(times)
 
     def hanging(model: Any, batch: Any) -> Any:
-        if _here(device, at) is not None:
-            release.wait(limit)
+        if _here(device, at) is not None and budget.take():
+            release.wait(seconds)
         return step(model, batch)
 
     return hanging
@@ -262,8 +337,21 @@ def failing_optimizer(
     raises: the worst case, a half-done step that must be undone. ``times``: how many times it
     fails, then steps as usual (``None``: every time; see `failing_step`). The count is shared
     by every optimizer the factory makes.
+
+    Raises:
+        TypeError: ``factory`` is not callable (an optimizer already built, say), ``device``
+            is neither an index nor a name, or ``error`` is not an exception.
+        ValueError: ``device`` or ``at`` is below 0, or ``times`` is below 1.
     """
+    if isinstance(factory, torch.optim.Optimizer):
+        raise TypeError(
+            f"factory must make an optimizer from parameters, such as functools.partial("
+            f"torch.optim.SGD, lr=0.1); got an optimizer already built: {type(factory).__name__}"
+        )
+    _check_callable("factory", factory)
     _check_device(device, names=True)
+    check_int("at", at, 0, none=True)
+    _check_error(error)
     budget = _Budget(times)
 
     def make(params: Any) -> torch.optim.Optimizer:
@@ -276,7 +364,7 @@ def failing_optimizer(
                 return original(*args, **kwargs)
             if after_update:
                 original(*args, **kwargs)
-            raise error if error is not None else _injected_failure(ctx, "optimizer step")
+            raise _raised(error) if error is not None else _injected_failure(ctx, "optimizer step")
 
         # A bound method, as torch's LR schedulers wrap optimizer.step through its __func__.
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]

@@ -636,3 +636,121 @@ def test_a_fault_that_could_never_fire_is_refused_where_it_is_made() -> None:
         fail_on(lambda ctx, shard: None, device="cpu#1")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="times must be an int >= 1"):
         failing_optimizer(SGD, device=0, times=0)
+
+
+def test_every_helper_refuses_arguments_that_could_never_fire_where_it_is_made() -> None:
+    # hang_on and hanging_step checked nothing: device="cpu#1" or -1 never hung, and a test
+    # of a hang passed without one; an error, a release or a job of the wrong kind failed
+    # later, inside a worker, as a device's WorkerFailedError that pytest.raises took.
+    from asyncddp.testing import fail_on, hang_on
+
+    release = threading.Event()
+
+    def job(ctx: Any, shard: Any) -> None:
+        return None
+
+    wrong: list[tuple[type[Exception], str, Callable[[], object]]] = [
+        (
+            TypeError,
+            "device must be an index",
+            lambda: hang_on(job, device="cpu#1", release=release),
+        ),  # type: ignore[arg-type]
+        (
+            ValueError,
+            "device must be an index from 0",
+            lambda: hang_on(job, device=-1, release=release),
+        ),
+        (TypeError, "device must be", lambda: hanging_step(step, device=1.5, release=release)),  # type: ignore[arg-type]
+        (
+            ValueError,
+            "device must be an index from 0",
+            lambda: hanging_step(step, device=-1, release=release),
+        ),
+        (
+            TypeError,
+            "release must be a threading.Event",
+            lambda: hang_on(job, device=0, release=None),
+        ),  # type: ignore[arg-type]
+        (
+            TypeError,
+            "release must be a threading.Event",
+            lambda: hanging_step(step, device=0, release=anyio.Event()),
+        ),  # type: ignore[arg-type]
+        (
+            ValueError,
+            "limit must be a positive number",
+            lambda: hang_on(job, device=0, release=release, limit=-1),
+        ),
+        (
+            ValueError,
+            "times must be an int >= 1",
+            lambda: hanging_step(step, device=0, release=release, times=0),
+        ),
+        (ValueError, "step must be an int >= 0", lambda: fail_on(job, device=0, step=-1)),
+        (
+            ValueError,
+            "step must be an int >= 0",
+            lambda: hang_on(job, device=0, release=release, step="3"),
+        ),  # type: ignore[arg-type]
+        (ValueError, "at must be an int >= 0", lambda: failing_step(step, device=0, at=-1)),
+        (ValueError, "at must be an int >= 0", lambda: failing_optimizer(SGD, device=0, at=2.0)),  # type: ignore[arg-type]
+        (
+            TypeError,
+            "error must be an exception to raise",
+            lambda: fail_on(job, device=0, error="disk full"),
+        ),  # type: ignore[arg-type]
+        (
+            TypeError,
+            r"such as ValueError\('\.\.\.'\)",
+            lambda: failing_step(step, device=0, error=ValueError),
+        ),  # type: ignore[arg-type]
+        (TypeError, "error must be", lambda: failing_optimizer(SGD, device=0, error=1)),  # type: ignore[arg-type]
+        (TypeError, "job must be callable", lambda: fail_on(None, device=0)),  # type: ignore[arg-type]
+        (TypeError, "step must be callable", lambda: hanging_step(None, device=0, release=release)),  # type: ignore[arg-type]
+        (
+            TypeError,
+            "an optimizer already built",
+            lambda: failing_optimizer(SGD(nn.Linear(2, 1).parameters()), device=0),
+        ),  # type: ignore[arg-type]
+    ]
+    for kind, message, make in wrong:
+        with pytest.raises(kind, match=message):
+            make()
+
+
+async def test_an_error_given_to_a_helper_is_raised_without_its_earlier_tracebacks() -> None:
+    # The same instance raised at every failure: its traceback grew by a raise each time,
+    # and kept every failed step's frames, and so its shards, alive.
+    from asyncddp.testing import fail_on
+
+    error = ValueError("disk full")
+    job = fail_on(lambda ctx, shard: shard, device=1, error=error)
+    lengths = []
+    async with asyncddp.StepScheduler(cpu_devices(2)) as scheduler:
+        for _ in range(5):
+            with pytest.raises(WorkerFailedError) as caught:
+                await scheduler.run(job, [torch.zeros(4), torch.zeros(4)])
+            assert caught.value.__cause__ is error
+            depth, tb = 0, error.__traceback__
+            while tb is not None:
+                depth, tb = depth + 1, tb.tb_next
+            lengths.append(depth)
+    assert len(set(lengths)) == 1, lengths
+
+
+async def test_a_hang_for_a_number_of_times_then_runs_as_usual() -> None:
+    release = threading.Event()
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        hanging_step(step, device=1, release=release, limit=0.5, times=1),
+        devices=cpu_devices(2),
+        progress_bar=False,
+        step_timeout=0.2,
+    )
+    batches = make_batches(STEPS)
+    with pytest.raises(WorkerTimeoutError):
+        await trainer.fit(batches, epochs=1)
+    await anyio.sleep(0.6)  # the hung job returns at its limit
+    await trainer.fit(batches, epochs=1)  # the fault has fired its one time
+    assert trainer.global_step == STEPS
