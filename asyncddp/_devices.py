@@ -198,10 +198,13 @@ def _parse(text: str) -> list[tuple[torch.device, str]]:
             return [(torch.device("cpu"), f"cpu#{int(number)}")]
         if kind == "cpu":  # torch reads "cpu:N" as the CPU, as it reads torch.device("cpu", N)
             if int(number) > 0:
+                # Meant as a count ("cpu:4") or as a worker's name ("cpu:1" for cpu#1): both.
+                count = max(int(number), 2)
                 warn_user(
                     f"{text!r} is the CPU, one worker, as torch reads it (a CPU has no index); "
-                    f"for {int(number)} CPU workers, pass devices=asyncddp.cpu_devices"
-                    f"({int(number)}) (on the command line, --devices {int(number)})"
+                    f"for {count} CPU workers, pass devices=asyncddp.cpu_devices({count}) (on "
+                    f"the command line, --devices {count}), whose workers are named 'cpu#0', "
+                    f"'cpu#1', ..."
                 )
             return [(torch.device("cpu"), "cpu")]
     raise DeviceError(

@@ -70,7 +70,8 @@ def test_cpu_with_an_index_is_the_cpu_as_torch_reads_it() -> None:
     # An index above 0 reads as a count that was meant: it warns, naming cpu_devices.
     with pytest.warns(UserWarning, match=r"'cpu:4' is the CPU, one worker.*cpu_devices\(4\)"):
         assert names(resolve_devices("cpu:4")) == ["cpu"]
-    with pytest.warns(UserWarning, match="one worker"):
+    # "cpu:1" said "for 1 CPU workers, pass devices=asyncddp.cpu_devices(1)": what it gave.
+    with pytest.warns(UserWarning, match=r"one worker.*cpu_devices\(2\).*'cpu#0', 'cpu#1'"):
         assert names(resolve_devices(" CPU:1 ")) == names(resolve_devices(torch.device("cpu:1")))
     with (
         pytest.warns(UserWarning, match="one worker"),
