@@ -38,6 +38,7 @@ from typing import Any
 
 import anyio
 
+from ._exit import wait_at_exit
 from ._loop import Waker, current_waker
 
 __all__ = ["ENDED", "GAVE_UP", "Prefetcher", "after_left_behind"]
@@ -278,6 +279,7 @@ class Prefetcher:
             left = self._in_call and not self._finished.is_set()
             if left:
                 _left_behind.setdefault(id(self._source), []).append(self)
+                wait_at_exit(self._thread)
         self._slots.release()  # a thread waiting for room wakes up and sees the close
         self._buffer.clear()
         if left:

@@ -41,6 +41,7 @@ from ._exceptions import (
     WorkerFailedError,
     WorkerTimeoutError,
 )
+from ._exit import wait_at_exit
 from ._loop import Waker, current_waker
 from ._openmp import release_idle_threads
 from ._progress import Progress, ProgressTracker
@@ -514,6 +515,7 @@ class StepScheduler:
                 worker.join()  # its last job has run: the thread is returning
             else:
                 self._left_behind.append(worker.thread)
+                wait_at_exit(worker.thread, self.drain_timeout)
                 warn_user(
                     f"{worker.thread.name} is still running a job (or the work one left for "
                     f"after it) after drain_timeout="

@@ -208,6 +208,80 @@ def test_a_fit_without_a_progress_bar_leaves_no_thread_behind() -> None:
     assert done.stdout.strip() == "['MainThread']"
 
 
+#: A slow piece of work in torch's own code (a torch op releases the GIL as it computes).
+SLOW_TORCH = """
+def slow_torch(seconds):
+    end, a = time.monotonic() + seconds, torch.randn(128, 128)
+    while time.monotonic() < end:
+        a = torch.tanh(a @ a.T)
+"""
+
+LEFT_BEHIND = {
+    # A step that outlived step_timeout and drain_timeout: the script caught the timeout and
+    # ended, its worker thread still in the step.
+    "worker": """
+        async def main():
+            async with asyncddp.StepScheduler(
+                asyncddp.cpu_devices(1), step_timeout=0.1, drain_timeout=0.1
+            ) as scheduler:
+                try:
+                    await scheduler.run(lambda ctx, shard: slow_torch(1.5), [None])
+                except asyncddp.WorkerTimeoutError:
+                    print("timed out")
+    """,
+    # A fit cancelled while its loader thread was inside a slow next().
+    "loader": """
+        def batches():
+            for i in range(100):
+                if i == 3:
+                    slow_torch(2.0)
+                yield torch.randn(8, 4), torch.randn(8, 1)
+
+        async def main():
+            trainer = asyncddp.Trainer(
+                torch.nn.Linear(4, 1), functools.partial(torch.optim.SGD, lr=0.1),
+                lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+                devices=asyncddp.cpu_devices(1), progress_bar=False,
+            )
+            async with anyio.create_task_group() as group:
+                async def cancel_at_step_2():
+                    async for event in trainer.events():
+                        if isinstance(event, asyncddp.StepEnded) and event.step >= 2:
+                            await anyio.sleep(0.3)  # the loader is in the slow next() by then
+                            group.cancel_scope.cancel()
+                group.start_soon(cancel_at_step_2)
+                await trainer.fit(batches(), epochs=1)
+            print("cancelled at step", trainer.global_step)
+    """,
+}
+
+
+@pytest.mark.parametrize("thread", sorted(LEFT_BEHIND))
+def test_a_script_that_ends_with_a_thread_left_behind_in_torch_exits_cleanly(
+    thread: str,
+) -> None:
+    # The thread, a daemon, took the GIL back as the interpreter finalized, and exited through
+    # pthread_exit inside torch's C++: "terminate called without an active exception", exit
+    # status 134 (SIGABRT), in every run of both scripts.
+    script = "\n".join(
+        [
+            "import asyncio, functools, time, warnings, anyio, torch, asyncddp",
+            "warnings.simplefilter('ignore')",
+            textwrap.dedent(SLOW_TORCH),
+            textwrap.dedent(LEFT_BEHIND[thread]),
+            "asyncio.run(main())",
+            "print('exiting', flush=True)",
+        ]
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "exiting"
+    assert f"waiting up to 10 s for asyncddp-{thread}" in done.stderr
+    assert "terminate called" not in done.stderr
+
+
 @pytest.mark.anyio
 async def test_a_stream_its_consumer_let_go_of_is_not_kept() -> None:
     # A consumer that leaves its loop (a client that disconnected) left its stream subscribed,
