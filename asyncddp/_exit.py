@@ -7,61 +7,114 @@ Python before 3.14 a daemon thread that takes the GIL back once the interpreter 
 finalize exits through ``pthread_exit``, and where that unwinds through torch's C++ (a torch
 op releases the GIL while it computes) the process aborts: "terminate called without an
 active exception", exit status 134, after a script that caught a ``WorkerTimeoutError`` and
-ended, say.
+ended, say. (Python 3.14 hangs such a thread instead, CPython gh-87135: nothing to wait for.)
 
-So the threads left behind are noted here (`wait_at_exit`), and ``threading``'s own exit hooks
-(those ``concurrent.futures`` uses, run before the interpreter finalizes) wait for them: up to
-`EXIT_WAIT` seconds, or the ``drain_timeout`` of the call that left them if longer, with a
-warning on the ``asyncddp`` logger that says what it waits for. Ctrl-C ends the wait at once.
+So the threads left behind are noted here (`wait_at_exit`), and an ``atexit`` hook, which runs
+before the interpreter finalizes, waits for them: `EXIT_WAIT` seconds at most in all
+(``ASYNCDDP_EXIT_WAIT`` chooses, ``0`` waits not at all), with a warning on the ``asyncddp``
+logger that names them. Ctrl-C ends the wait at once. A thread blocked in a Python lock (a
+``queue.Queue.get``, an ``Event.wait``: a live feed's generator, say) is not waited for: it is
+in the lock's C code, not in torch's, and stays there as the interpreter finalizes.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import math
+import os
+import queue
+import sys
 import threading
 import time
 
-__all__ = ["EXIT_WAIT", "wait_at_exit"]
+__all__ = ["EXIT_WAIT", "EXIT_WAIT_VARIABLE", "wait_at_exit"]
 
 _log = logging.getLogger("asyncddp")
 
-#: The least time, in seconds, the interpreter's exit waits for the threads left behind.
+#: How long, in seconds, the interpreter's exit waits at most for the threads left behind.
 EXIT_WAIT = 10.0
 
+#: The environment variable that chooses it, in seconds (``0``: no wait).
+EXIT_WAIT_VARIABLE = "ASYNCDDP_EXIT_WAIT"
+
+#: Where the innermost frame of a thread waiting in a Python lock is.
+_LOCK_WAITS = frozenset({threading.__file__, queue.__file__})
+
 _lock = threading.Lock()
-_pending: dict[threading.Thread, float] = {}  # a thread left behind: how long to wait for it
+_pending: set[threading.Thread] = set()
 _hooked = False
 
 
-def wait_at_exit(thread: threading.Thread, seconds: float | None = None) -> None:
-    """Have the interpreter's exit wait for ``thread``, up to `EXIT_WAIT` seconds or
-    ``seconds`` if longer (from when the exit begins)."""
+def wait_at_exit(thread: threading.Thread) -> None:
+    """Have the interpreter's exit wait a while for ``thread`` (see the module). Never
+    raises: it only makes the exit safer."""
     global _hooked
-    with _lock:
-        for other in [t for t in _pending if not t.is_alive()]:
-            del _pending[other]
-        _pending[thread] = max(EXIT_WAIT, seconds or 0.0)
-        if not _hooked:
-            try:
-                threading._register_atexit(_wait)  # type: ignore[attr-defined]
-            except RuntimeError:  # the interpreter is exiting already: nothing to wait in
-                return
-            _hooked = True
+    if sys.version_info >= (3, 14):
+        return
+    try:
+        with _lock:
+            _pending.difference_update([t for t in _pending if not t.is_alive()])
+            _pending.add(thread)
+            if not _hooked:
+                atexit.register(_wait)
+                _hooked = True
+    except Exception:  # pragma: no cover - an interpreter tearing down, say
+        _log.debug("could not have the exit wait for %s", thread.name, exc_info=True)
+
+
+def _forget() -> None:
+    """In a forked child: the parent's threads are not there, and the lock may be held."""
+    global _lock
+    _lock = threading.Lock()
+    _pending.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget)
+
+
+def exit_wait() -> float:
+    """`EXIT_WAIT`, or what ``ASYNCDDP_EXIT_WAIT`` says (a number of seconds from 0)."""
+    text = os.environ.get(EXIT_WAIT_VARIABLE)
+    if text is None or not text.strip():
+        return EXIT_WAIT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if math.isnan(seconds) or seconds < 0:
+        _log.warning(
+            "%s=%r is not a number of seconds from 0: waiting %g s at exit",
+            EXIT_WAIT_VARIABLE,
+            text,
+            EXIT_WAIT,
+        )
+        return EXIT_WAIT
+    return min(seconds, threading.TIMEOUT_MAX)
+
+
+def _in_a_lock(thread: threading.Thread) -> bool:
+    frame = sys._current_frames().get(thread.ident or 0)
+    return frame is not None and frame.f_code.co_filename in _LOCK_WAITS
 
 
 def _wait() -> None:
     with _lock:
-        threads = {thread: s for thread, s in _pending.items() if thread.is_alive()}
+        threads = sorted((t for t in _pending if t.is_alive()), key=lambda t: t.name)
         _pending.clear()
-    if not threads:
+    threads = [thread for thread in threads if not _in_a_lock(thread)]
+    seconds = exit_wait()
+    if not threads or seconds <= 0:
         return
-    seconds = max(threads.values())
-    names = ", ".join(sorted(thread.name for thread in threads))
+    names = ", ".join(thread.name for thread in threads)
     _log.warning(
         "waiting up to %g s for %s, left running by asyncddp, to end before the interpreter "
-        "exits (it may abort the process under a thread in torch's code); Ctrl-C stops waiting",
+        "exits (it may abort the process under a thread in torch's code); Ctrl-C stops waiting, "
+        "%s=0 does not wait",
         seconds,
         names,
+        EXIT_WAIT_VARIABLE,
     )
     deadline = time.monotonic() + seconds
     try:
@@ -69,7 +122,7 @@ def _wait() -> None:
             thread.join(max(0.0, deadline - time.monotonic()))
     except KeyboardInterrupt:
         return
-    late = sorted(thread.name for thread in threads if thread.is_alive())
+    late = [thread.name for thread in threads if thread.is_alive()]
     if late:
         _log.warning(
             "%s still running after %g s: exiting under it (the process may abort)",

@@ -515,7 +515,7 @@ class StepScheduler:
                 worker.join()  # its last job has run: the thread is returning
             else:
                 self._left_behind.append(worker.thread)
-                wait_at_exit(worker.thread, self.drain_timeout)
+                wait_at_exit(worker.thread)
                 warn_user(
                     f"{worker.thread.name} is still running a job (or the work one left for "
                     f"after it) after drain_timeout="

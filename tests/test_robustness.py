@@ -282,6 +282,52 @@ def test_a_script_that_ends_with_a_thread_left_behind_in_torch_exits_cleanly(
     assert "terminate called" not in done.stderr
 
 
+def test_a_thread_left_behind_in_a_python_lock_does_not_hold_the_exit() -> None:
+    # A live feed (a generator reading a queue.Queue) stopped with stop(): its loader thread
+    # waits in the queue's lock, C code that never returns into torch's as the interpreter
+    # finalizes, so the exit need not wait for it (a first version waited its 10 s).
+    script = textwrap.dedent(
+        """
+        import asyncio, functools, queue, time, torch, asyncddp
+        feed = queue.Queue()
+        for _ in range(3):
+            feed.put((torch.randn(8, 4), torch.randn(8, 1)))
+
+        def live():
+            while True:
+                yield feed.get()  # the producer has stopped
+
+        async def main():
+            trainer = asyncddp.Trainer(
+                torch.nn.Linear(4, 1), functools.partial(torch.optim.SGD, lr=0.1),
+                lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+                devices=asyncddp.cpu_devices(1), progress_bar=False,
+            )
+            async def stop_at_step_2():
+                async for event in trainer.events():
+                    if isinstance(event, asyncddp.StepEnded) and event.step >= 2:
+                        await asyncio.sleep(0.3)  # the loader waits in feed.get() by then
+                        trainer.stop("the producer has stopped")
+            watcher = asyncio.create_task(stop_at_step_2())
+            result = await trainer.fit(live(), epochs=1)
+            await watcher
+            print("stopped", result.stopped, flush=True)
+
+        asyncio.run(main())
+        print("exiting", time.monotonic(), flush=True)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    ended = time.monotonic()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == "stopped True"
+    assert "waiting up to" not in done.stderr
+    exiting = float(done.stdout.splitlines()[-1].split()[1])  # the same clock: CLOCK_MONOTONIC
+    assert ended - exiting < 5.0  # not the exit's 10 s wait
+
+
 @pytest.mark.anyio
 async def test_a_stream_its_consumer_let_go_of_is_not_kept() -> None:
     # A consumer that leaves its loop (a client that disconnected) left its stream subscribed,
