@@ -30,7 +30,7 @@ from typing import Any, Generic, NoReturn, TypeVar, cast
 import anyio
 import torch
 
-from ._checks import MAX_THREADS, check_int, check_seconds, warn_user
+from ._checks import MAX_THREADS, check_bool, check_int, check_seconds, warn_user
 from ._data import count_items
 from ._devices import Device, DeviceSpec, resolve_devices
 from ._exceptions import (
@@ -581,8 +581,9 @@ class StepScheduler:
             WorkerTimeoutError: A job did not finish within ``step_timeout``.
             KeyboardInterrupt, SystemExit: raised by a job, re-raised here as they are.
             ShardError: ``shards`` or ``items`` does not hold one entry per device.
-            TypeError: ``fn`` is an ``async def`` function or not callable, ``on_cancel`` is
-                not callable, or ``shield`` is not a bool.
+            TypeError: ``fn`` is an ``async def`` function or not callable, or ``on_cancel``
+                is not callable.
+            ConfigurationError: ``shield`` is not True or False (a NumPy bool, 0 or 1 too).
             SchedulerClosedError: The scheduler is not open.
 
         Cancellation handling:
@@ -608,8 +609,7 @@ class StepScheduler:
             raise TypeError(f"fn must be a callable job(ctx, shard), got {fn!r}")
         if on_cancel is not None and not callable(on_cancel):
             raise TypeError(f"on_cancel must be a callable taking no argument, got {on_cancel!r}")
-        if not isinstance(shield, bool):
-            raise TypeError(f"shield must be True or False, got {shield!r}")
+        shield = check_bool("shield", shield)
         shards = self._check_shards(shards)
         counts = self._check_items(items, shards)
         number = self._next_step if step is None else step

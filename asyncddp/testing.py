@@ -13,11 +13,14 @@
 from __future__ import annotations
 
 import inspect
+import numbers
+import operator
 import threading
 import types
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
+import numpy as np
 import torch
 
 from ._checks import check_int, check_positive
@@ -79,13 +82,20 @@ class _Budget:
             return True
 
 
-def _check_device(device: object, *, names: bool) -> None:
-    kinds = (int, str) if names else (int,)
-    if isinstance(device, bool) or not isinstance(device, kinds):
+def _check_index(device: object, *, names: bool = False) -> int:
+    """``device`` as an index (a NumPy integer too)."""
+    if isinstance(device, (bool, np.bool_)) or not isinstance(device, numbers.Integral):
         what = "an index (1) or a name ('cpu#1')" if names else "an index (1)"
         raise TypeError(f"device must be {what}, got {device!r}")
-    if isinstance(device, int) and device < 0:
-        raise ValueError(f"device must be an index from 0, got {device}")
+    index = operator.index(device)
+    if index < 0:
+        raise ValueError(f"device must be an index from 0, got {index}")
+    return index
+
+
+def _check_device(device: object) -> int | str:
+    """``device`` as the trainer's helpers compare it: an index or a name."""
+    return device if isinstance(device, str) else _check_index(device, names=True)
 
 
 def _check_callable(name: str, value: object) -> None:
@@ -96,8 +106,12 @@ def _check_callable(name: str, value: object) -> None:
 def _check_error(error: object) -> None:
     if error is None or isinstance(error, BaseException):
         return
-    hint = f"{error.__name__}('...')" if isinstance(error, type) else "ValueError('disk full')"
-    raise TypeError(f"error must be an exception to raise, such as {hint}, got {error!r}")
+    if isinstance(error, type) and issubclass(error, BaseException):
+        return
+    raise TypeError(
+        f"error must be an exception to raise, such as ValueError('disk full'), or an "
+        f"exception class, got {error!r}"
+    )
 
 
 def _check_release(release: object) -> None:
@@ -109,17 +123,20 @@ def _check_release(release: object) -> None:
         )
 
 
-def _check_hang(release: object, limit: object) -> float:
+def _check_hang(release: object, limit: object) -> float | None:
     """The checks of a hang's ``release`` and ``limit``; returns the limit as
-    ``threading.Event.wait`` takes it."""
+    ``threading.Event.wait`` takes it (``None``: until released)."""
     _check_release(release)
-    seconds: float = check_positive("limit", limit, unit="seconds", none=False)
-    return min(seconds, threading.TIMEOUT_MAX)
+    seconds: float | None = check_positive("limit", limit, unit="seconds")
+    return None if seconds is None else min(seconds, threading.TIMEOUT_MAX)
 
 
-def _raised(error: BaseException) -> BaseException:
-    """``error`` to raise again: without the traceback of its last raise, which would grow
-    with every one and keep each failed step's frames (and their tensors) alive."""
+def _raised(error: BaseException | type[BaseException]) -> BaseException:
+    """What to raise for ``error``: a new instance of a class; an instance without the
+    traceback of its last raise, which would grow with every one and keep each failed step's
+    frames (and their tensors) alive."""
+    if isinstance(error, type):
+        return error()
     return error.with_traceback(None)
 
 
@@ -128,7 +145,7 @@ def fail_on(
     *,
     device: int,
     step: int | None = None,
-    error: BaseException | None = None,
+    error: BaseException | type[BaseException] | None = None,
     times: int | None = None,
 ) -> Callable[[WorkerContext, S], T]:
     """Wrap ``job`` so that it raises on device ``device`` (an index), at ``step`` or always.
@@ -137,17 +154,20 @@ def fail_on(
         job: The job to wrap.
         device: The index of the device whose job fails.
         step: The step at which it fails; ``None`` fails at every step.
-        error: What to raise; by default an `InjectedFailure`.
+        error: What to raise: an exception (raised each time without the traceback of the
+            last raise), or an exception class (a new one each time); by default an
+            `InjectedFailure`.
         times: How many times it fails, then runs as usual; ``None``: every time.
 
     Raises:
         TypeError: ``job`` is not callable, ``device`` is not an index, or ``error`` is not
             an exception.
-        ValueError: ``device`` or ``step`` is below 0, or ``times`` below 1.
+        ValueError: ``device`` is below 0, ``step`` is not an int from 0, or ``times`` not
+            one from 1.
     """
     _check_callable("job", job)
-    _check_device(device, names=False)
-    check_int("step", step, 0, none=True)
+    device = _check_index(device)
+    step = check_int("step", step, 0, none=True)
     _check_error(error)
     budget = _Budget(times)
 
@@ -171,7 +191,7 @@ def hang_on(
     device: int,
     release: threading.Event,
     step: int | None = None,
-    limit: float = 60.0,
+    limit: float | None = 60.0,
     times: int | None = None,
 ) -> Callable[[WorkerContext, S], T]:
     """Wrap ``job`` so that it blocks on device ``device`` until ``release`` is set.
@@ -183,12 +203,12 @@ def hang_on(
     Raises:
         TypeError: ``job`` is not callable, ``device`` is not an index, or ``release`` is
             not a ``threading.Event`` (an ``asyncio.Event``'s ``wait`` cannot block a thread).
-        ValueError: ``device`` or ``step`` is below 0, ``limit`` not above 0, or ``times``
-            below 1.
+        ValueError: ``device`` is below 0, ``step`` is not an int from 0, ``limit`` is not
+            above 0 (``None``: until released), or ``times`` not an int from 1.
     """
     _check_callable("job", job)
-    _check_device(device, names=False)
-    check_int("step", step, 0, none=True)
+    device = _check_index(device)
+    step = check_int("step", step, 0, none=True)
     seconds = _check_hang(release, limit)
     budget = _Budget(times)
 
@@ -238,7 +258,7 @@ def failing_step(
     device: int | str,
     at: int | None = None,
     where: Literal["forward", "backward", "metric"] = "forward",
-    error: BaseException | None = None,
+    error: BaseException | type[BaseException] | None = None,
     times: int | None = None,
 ) -> Callable[[Any, Any], Any]:
     """Wrap a trainer's ``step(model, batch)`` so that it fails on one device.
@@ -251,23 +271,25 @@ def failing_step(
         at: The optimizer step at which it fails; ``None`` fails at every step.
         where: ``"forward"`` raises before returning; ``"backward"`` returns a loss whose
             backward pass raises; ``"metric"`` raises while computing a metric, after the loss.
-        error: What to raise; by default an `InjectedFailure`.
+        error: What to raise: an exception (raised each time without the traceback of the
+            last raise), or an exception class (a new one each time); by default an
+            `InjectedFailure`.
         times: How many times it fails, then runs as usual; ``None``: every time. A failed
             step is taken again under the same number (by ``on_failure="retry"``, or by the
             next ``fit``), so ``at=3`` alone fails that step every time it is tried;
             ``times=1`` lets the run go on after it.
 
     Raises:
-        ValueError: ``where`` is not one of the three, ``device`` or ``at`` is below 0, or
-            ``times`` is below 1.
+        ValueError: ``where`` is not one of the three, ``device`` is below 0, ``at`` is not an
+            int from 0, or ``times`` is not an int from 1.
         TypeError: ``step`` is not callable, ``device`` is neither an index nor a name, or
             ``error`` is not an exception.
     """
     if where not in ("forward", "backward", "metric"):
         raise ValueError(f"where must be 'forward', 'backward' or 'metric', got {where!r}")
     _check_callable("step", step)
-    _check_device(device, names=True)
-    check_int("at", at, 0, none=True)
+    device = _check_device(device)
+    at = check_int("at", at, 0, none=True)
     _check_error(error)
     budget = _Budget(times)
 
@@ -294,7 +316,7 @@ def hanging_step(
     device: int | str,
     release: threading.Event,
     at: int | None = None,
-    limit: float = 60.0,
+    limit: float | None = 60.0,
     times: int | None = None,
 ) -> Callable[[Any, Any], Any]:
     """Wrap a trainer's step so that it blocks on one device until ``release`` is set.
@@ -305,12 +327,12 @@ def hanging_step(
     Raises:
         TypeError: ``step`` is not callable, ``device`` is neither an index nor a name, or
             ``release`` is not a ``threading.Event``.
-        ValueError: ``device`` or ``at`` is below 0, ``limit`` not above 0, or ``times``
-            below 1.
+        ValueError: ``device`` is below 0, ``at`` is not an int from 0, ``limit`` is not
+            above 0 (``None``: until released), or ``times`` not an int from 1.
     """
     _check_callable("step", step)
-    _check_device(device, names=True)
-    check_int("at", at, 0, none=True)
+    device = _check_device(device)
+    at = check_int("at", at, 0, none=True)
     seconds = _check_hang(release, limit)
     budget = _Budget(times)
 
@@ -328,7 +350,7 @@ def failing_optimizer(
     device: int | str,
     at: int | None = None,
     after_update: bool = True,
-    error: BaseException | None = None,
+    error: BaseException | type[BaseException] | None = None,
     times: int | None = None,
 ) -> Callable[[Any], torch.optim.Optimizer]:
     """Wrap an optimizer factory so that ``step()`` fails on one device, at one step.
@@ -341,7 +363,8 @@ def failing_optimizer(
     Raises:
         TypeError: ``factory`` is not callable (an optimizer already built, say), ``device``
             is neither an index nor a name, or ``error`` is not an exception.
-        ValueError: ``device`` or ``at`` is below 0, or ``times`` is below 1.
+        ValueError: ``device`` is below 0, ``at`` is not an int from 0, or ``times`` is not an
+            int from 1.
     """
     if isinstance(factory, torch.optim.Optimizer):
         raise TypeError(
@@ -349,8 +372,8 @@ def failing_optimizer(
             f"torch.optim.SGD, lr=0.1); got an optimizer already built: {type(factory).__name__}"
         )
     _check_callable("factory", factory)
-    _check_device(device, names=True)
-    check_int("at", at, 0, none=True)
+    device = _check_device(device)
+    at = check_int("at", at, 0, none=True)
     _check_error(error)
     budget = _Budget(times)
 

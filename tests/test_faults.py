@@ -11,11 +11,13 @@ fails any case that leaves a worker thread alive.
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -701,8 +703,8 @@ def test_every_helper_refuses_arguments_that_could_never_fire_where_it_is_made()
         ),  # type: ignore[arg-type]
         (
             TypeError,
-            r"such as ValueError\('\.\.\.'\)",
-            lambda: failing_step(step, device=0, error=ValueError),
+            "or an exception class",
+            lambda: failing_step(step, device=0, error="disk full"),
         ),  # type: ignore[arg-type]
         (TypeError, "error must be", lambda: failing_optimizer(SGD, device=0, error=1)),  # type: ignore[arg-type]
         (TypeError, "job must be callable", lambda: fail_on(None, device=0)),  # type: ignore[arg-type]
@@ -716,6 +718,26 @@ def test_every_helper_refuses_arguments_that_could_never_fire_where_it_is_made()
     for kind, message, make in wrong:
         with pytest.raises(kind, match=message):
             make()
+    # What worked before the checks still does: a NumPy index, no limit, an exception class,
+    # any release with a blocking wait(timeout), a NumPy step.
+    hang_on(job, device=np.int64(1), release=threading.Event(), limit=None, step=np.int64(2))
+    hanging_step(step, device=np.int64(0), release=multiprocessing.Event(), at=np.int32(1))
+    fail_on(job, device=0, error=ValueError)
+    failing_optimizer(SGD, device="cpu#1", error=RuntimeError)
+
+
+async def test_an_error_class_given_to_a_helper_is_raised_as_a_new_error_each_time() -> None:
+    from asyncddp.testing import fail_on
+
+    job = fail_on(lambda ctx, shard: shard, device=np.int64(1), error=ValueError)
+    causes = []
+    async with asyncddp.StepScheduler(cpu_devices(2)) as scheduler:
+        for _ in range(2):
+            with pytest.raises(WorkerFailedError) as caught:
+                await scheduler.run(job, [0, 0])
+            causes.append(caught.value.__cause__)
+    assert all(type(cause) is ValueError for cause in causes)
+    assert causes[0] is not causes[1]
 
 
 async def test_an_error_given_to_a_helper_is_raised_without_its_earlier_tracebacks() -> None:

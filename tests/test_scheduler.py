@@ -1251,9 +1251,11 @@ async def test_a_job_or_on_cancel_that_is_not_callable_is_refused_before_anythin
                 await scheduler.run(fn, [None, None])  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="on_cancel must be a callable"):
             await scheduler.run(where, [None, None], on_cancel=5)  # type: ignore[arg-type]
-        with pytest.raises(TypeError, match="shield must be True or False"):
+        with pytest.raises(asyncddp.ConfigurationError, match="shield must be True or False"):
             await scheduler.run(where, [None, None], shield="yes")  # type: ignore[arg-type]
-        assert scheduler.progress.steps == 0
+        await scheduler.run(where, [None, None], shield=np.True_)  # type: ignore[arg-type]
+        await scheduler.run(where, [None, None], shield=0)  # type: ignore[arg-type]
+        assert scheduler.progress.steps == 2
         result = await scheduler.run(lambda ctx, shard: ctx.device.name, [None, None])
     assert result.outputs == ("cpu#0", "cpu#1")
 
