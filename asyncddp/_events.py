@@ -146,7 +146,9 @@ class EventStream:
     """One consumer's view of a trainer's events: ``async for event in stream``.
 
     It ends after the ``FitEnded`` of the fit it saw, or when closed (`close`, or leaving
-    ``async with stream:``); a stream nobody holds any more is dropped by the trainer.
+    ``async with stream:``); a stream nobody holds any more is dropped by the trainer. Tasks
+    that read one stream together share its events (each goes to one of them), and all end
+    with it; for every event in each, give each its own ``trainer.events()``.
 
     Attributes:
         dropped: Events lost because this consumer fell more than ``maxlen`` behind.
@@ -155,7 +157,8 @@ class EventStream:
     def __init__(self, hub: EventHub, maxlen: int) -> None:
         self._hub = hub
         self._queue: collections.deque[Event] = collections.deque(maxlen=maxlen)
-        self._wakeup: anyio.Event | None = None
+        self._wakeup: anyio.Event | None = None  # set by the next event; shared by the waiters
+        self._waiters = 0
         self._ended = False
         self.dropped = 0
 
@@ -186,14 +189,19 @@ class EventStream:
         while not self._queue:
             if self._ended:
                 raise StopAsyncIteration
-            self._wakeup = anyio.Event()
-            # Held while its consumer waits here: a task nobody keeps (create_task's result
+            if self._wakeup is None or self._wakeup.is_set():
+                self._wakeup = anyio.Event()
+            wakeup = self._wakeup  # every task waiting here waits on the same one
+            # Held while a consumer waits here: a task nobody keeps (create_task's result
             # dropped) is held by what it waits on alone, this stream.
+            self._waiters += 1
             self._hub._waiting.add(self)
             try:
-                await self._wakeup.wait()
+                await wakeup.wait()
             finally:
-                self._hub._waiting.discard(self)
+                self._waiters -= 1
+                if not self._waiters:
+                    self._hub._waiting.discard(self)
         return self._queue.popleft()  # after a FitEnded nothing more comes in (see _push)
 
     def close(self) -> None:

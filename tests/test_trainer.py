@@ -1734,6 +1734,28 @@ async def test_a_stream_behind_its_fit_ends_at_that_fit_s_end_not_in_the_next() 
     assert stream.dropped == 0
 
 
+async def test_tasks_reading_one_stream_together_share_its_events_and_all_end() -> None:
+    # Each waiting reader replaced the stream's one wake-up: the first waited on one nobody
+    # would set, for ever, after the fit had ended.
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    stream = trainer.events()
+    seen: list[list[str]] = [[], []]
+
+    async def read(into: list[str]) -> None:
+        async for event in stream:
+            into.append(type(event).__name__)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as group:
+            group.start_soon(read, seen[0])
+            group.start_soon(read, seen[1])
+            await anyio.sleep(0.05)  # both wait in the empty stream
+            await trainer.fit(make_batches([2] * 3), epochs=1)
+    assert sorted(seen[0] + seen[1]) == sorted(
+        ["FitStarted", "StepEnded", "StepEnded", "StepEnded", "EpochEnded", "FitEnded"]
+    )
+
+
 async def test_progress_bar_renders(capsys: pytest.CaptureFixture[str]) -> None:
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=True)
     await trainer.fit(make_batches([4, 4]), epochs=1)
