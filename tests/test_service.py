@@ -200,3 +200,25 @@ async def test_the_service_keeps_the_last_ended_jobs_only(monkeypatch: pytest.Mo
         assert listed == ids[2:]  # the last 2 that ended
         assert (await client.get(f"/jobs/{ids[0]}")).status_code == 404
         assert (await client.get(f"/jobs/{ids[3]}")).json()["steps"] == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the service's own loop
+async def test_a_job_cancelled_before_its_task_ran_ends_cancelled() -> None:
+    # Its task, cancelled before its first step, never reached train()'s own ending: the job
+    # stayed "running" for ever, counted by /health, and its event stream never ended.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("service_app", ROOT / "examples/service/app.py")
+    assert spec is not None
+    assert spec.loader is not None
+    app = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(app)
+    started = await app.start_job(app.JobRequest(epochs=1, devices=1, batches=1))
+    job = app.JOBS[started["id"]]
+    assert (await app.cancel_job(job.id))["status"] == "cancelled"  # before the task ran
+    assert job.task.cancelled()
+    assert job.status == "cancelled"
+    assert (await app.health())["jobs_running"] == 0
+    events = [event async for event in app.job_events(job)]
+    assert events == []

@@ -89,6 +89,14 @@ class Job:
             self.steps, self.last_loss = self.steps + 1, event.loss
         self._changed.set()
 
+    def end_unstarted(self) -> None:
+        """A task cancelled before it first ran (a DELETE right after the POST, the server's
+        shutdown) never reached train()'s own ending: the job ends here, or it would be
+        "running" for ever, and its event streams open."""
+        if self.status == "running":
+            self.status = "cancelled"
+            self._changed.set()
+
     async def changed(self) -> None:
         await self._changed.wait()
         self._changed.clear()
@@ -174,6 +182,7 @@ async def start_job(request: JobRequest) -> dict[str, Any]:
     job = Job(request)
     JOBS[job.id] = job
     job.task = asyncio.create_task(train(job), name=job.id)
+    job.task.add_done_callback(lambda _: job.end_unstarted())
     return job.summary()
 
 
