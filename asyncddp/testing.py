@@ -249,7 +249,10 @@ class _FailInBackward(torch.autograd.Function):
         # context, a cycle through torch's autograd that the garbage collector cannot see
         # (the model and every replica were kept for good).
         error, ctx.error = ctx.error, None
-        raise error
+        try:
+            raise error
+        finally:
+            del error  # nor one through this frame (see failing_step)
 
 
 def failing_step(
@@ -298,14 +301,19 @@ def failing_step(
         if ctx is None or not budget.take():
             return step(model, batch)
         failure = _raised(error) if error is not None else _injected_failure(ctx, where)
-        if where == "forward":
-            raise failure
-        output = step(model, batch)
-        if where == "backward":
-            loss = output["loss"] if isinstance(output, dict) else output
-            loss = _FailInBackward.apply(loss, failure)  # type: ignore[no-untyped-call]
-            return {**output, "loss": loss} if isinstance(output, dict) else loss
-        raise failure  # "metric": the loss was computed, a metric was not
+        try:
+            if where == "forward":
+                raise failure
+            output = step(model, batch)
+            if where == "backward":
+                loss = output["loss"] if isinstance(output, dict) else output
+                loss = _FailInBackward.apply(loss, failure)  # type: ignore[no-untyped-call]
+                return {**output, "loss": loss} if isinstance(output, dict) else loss
+            raise failure  # "metric": the loss was computed, a metric was not
+        finally:
+            # Raised, it holds this frame in its traceback: without it in the frame's locals,
+            # no cycle keeps the frame (and the model, the batch) once the error is let go.
+            del failure
 
     return failing
 

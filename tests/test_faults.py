@@ -776,3 +776,28 @@ async def test_a_hang_for_a_number_of_times_then_runs_as_usual() -> None:
     await anyio.sleep(0.6)  # the hung job returns at its limit
     await trainer.fit(batches, epochs=1)  # the fault has fired its one time
     assert trainer.global_step == STEPS
+
+
+@pytest.mark.parametrize("where", ["forward", "backward", "metric"])
+async def test_a_failing_step_s_failure_keeps_nothing_alive_once_let_go(where: str) -> None:
+    # The wrapper kept its failure in its frame's locals, and the failure, raised, kept that
+    # frame in its traceback: a cycle that held the model and the batch until the cyclic
+    # collector ran (never, where a service turns it off).
+    import gc
+    import weakref
+
+    async def fail_once() -> weakref.ref[nn.Module]:
+        faulty = failing_step(step, device=0, at=1, where=where)  # type: ignore[arg-type]
+        trainer = Trainer(make_model(), SGD, faulty, devices=cpu_devices(2), progress_bar=False)
+        with pytest.raises(WorkerFailedError):
+            await trainer.fit(make_batches(STEPS), epochs=1)
+        return weakref.ref(trainer.model)
+
+    await fail_once()  # the first failure in a process imports parts of torch: garbage of its own
+    gc.collect()
+    gc.disable()
+    try:
+        model = await fail_once()
+        assert model() is None
+    finally:
+        gc.enable()
