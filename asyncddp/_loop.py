@@ -161,16 +161,28 @@ class _TrioWaker:
         # trio delivers Ctrl-C to the main task as KeyboardInterrupt, shield or not: the first
         # is held off as a cancellation is, and returned for the caller to raise once its wait
         # is over; a second raises at once (the way out of a wait that hangs, as asyncio's
-        # runner gives a second Ctrl-C).
+        # runner gives a second Ctrl-C). A wait made while the task unwinds from a first one
+        # (the drain of a step it interrupted) raises at the next: that is the second.
         interrupt: BaseException | None = None
+        unwinding = _from_interrupt(sys.exc_info()[1])
         with self._trio.CancelScope(shield=True):
             while True:
                 try:
                     return await self.wait(deadline), interrupt
                 except KeyboardInterrupt as exc:
-                    if interrupt is not None:
+                    if interrupt is not None or unwinding:
                         raise
                     interrupt = exc
+
+
+def _from_interrupt(error: BaseException | None) -> bool:
+    """Whether ``error``, the exception being handled, is or comes from a KeyboardInterrupt."""
+    seen = 0
+    while error is not None and seen < 20:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
 
 
 def current_waker() -> Waker:

@@ -506,7 +506,14 @@ class StepScheduler:
         deadline = None if self.drain_timeout is None else time.monotonic() + self.drain_timeout
         cancellation: BaseException | None = None
         while not step.all_done():
-            woken, cancelled = await waker.wait_shielded(deadline)
+            try:
+                woken, cancelled = await waker.wait_shielded(deadline)
+            except BaseException:  # a second Ctrl-C: the workers still in a job stay behind
+                for worker, done in zip(self._workers, step.finished, strict=True):
+                    if not done:
+                        self._left_behind.append(worker.thread)
+                        wait_at_exit(worker.thread)
+                raise
             cancellation = cancellation or cancelled
             if not woken:
                 break
@@ -622,7 +629,11 @@ class StepScheduler:
         cancellation: BaseException | None = None
         queued = False  # jobs left queued behind hung ones, to run once those return
         if shield:
-            cancellation = await self._wait_all_shielded(state, waker, deadline, busy)
+            try:
+                cancellation = await self._wait_all_shielded(state, waker, deadline, busy)
+            except BaseException:  # a second Ctrl-C: the jobs still running are given up on
+                self._outlive(state)
+                raise
             if not state.done_but(busy):  # step_timeout: a job runs late, or waits behind one
                 # Noted whether or not another job failed, so that the next shielded step
                 # queues its job behind it instead of waiting (and timing out) for it.
@@ -735,7 +746,14 @@ class StepScheduler:
         deadline = None if self.drain_timeout is None else time.monotonic() + self.drain_timeout
         cancellation: BaseException | None = None
         while not state.idle():
-            woken, cancelled = await waker.wait_shielded(deadline)
+            try:
+                woken, cancelled = await waker.wait_shielded(deadline)
+            except BaseException:
+                # A second Ctrl-C, which raises at once: the jobs still running are given up
+                # on as if the wait had run out, so that no later shielded wait (the step's
+                # undo) waits for one of them without end.
+                self._outlive(state)
+                raise
             cancellation = cancellation or cancelled
             if not woken:
                 self._outlive(state)

@@ -795,3 +795,50 @@ async def test_fit_with_bad_epochs_still_ends_event_streams() -> None:
     with pytest.raises(asyncddp.ConfigurationError, match="epochs"):
         await trainer.fit(make_batches(0), epochs=0)
     assert [type(event).__name__ async for event in stream] == ["FitEnded"]
+
+
+@pytest.mark.parametrize("interrupts", [2, 3])
+def test_quick_ctrl_cs_under_trio_during_a_hung_step_end_the_program(interrupts: int) -> None:
+    # Each of trio's waits held its own first KeyboardInterrupt: the second Ctrl-C was held
+    # by the drain of the step the first had interrupted, the third raised out of it before
+    # the hung job was given up on, and the step's undo then waited for that job for ever.
+    script = textwrap.dedent(
+        f"""
+        import functools, os, signal, threading, time
+        import torch, trio, asyncddp
+        from asyncddp.testing import hanging_step
+
+        def ctrl_c():
+            time.sleep(2.0)  # the step on cpu#1 hangs by then
+            for _ in range({interrupts}):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.5)
+
+        async def main():
+            step = hanging_step(
+                lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+                device=1, release=threading.Event(), at=2, limit=None,
+            )
+            trainer = asyncddp.Trainer(
+                torch.nn.Linear(4, 1), functools.partial(torch.optim.SGD, lr=0.1), step,
+                devices=asyncddp.cpu_devices(2), progress_bar=False,
+            )
+            threading.Thread(target=ctrl_c, daemon=True).start()
+            await trainer.fit([(torch.randn(8, 4), torch.randn(8, 1))] * 8, epochs=5)
+
+        trio.run(main)
+        """
+    )
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert "KeyboardInterrupt" in done.stderr
+    assert done.returncode != 0
+    # The second raises out of the step's drain (at 2.5 s; it waited 2 x drain_timeout,
+    # ending at 22 s), then closing the workers waits its drain_timeout (10 s) for the hung
+    # one; a third ends that wait too (at 3 s).
+    assert time.monotonic() - started < (19 if interrupts == 2 else 12)
