@@ -9,12 +9,15 @@ op releases the GIL while it computes) the process aborts: "terminate called wit
 active exception", exit status 134, after a script that caught a ``WorkerTimeoutError`` and
 ended, say. (Python 3.14 hangs such a thread instead, CPython gh-87135: nothing to wait for.)
 
-So the threads left behind are noted here (`wait_at_exit`), and an ``atexit`` hook, which runs
-before the interpreter finalizes, waits for them: `EXIT_WAIT` seconds at most in all
-(``ASYNCDDP_EXIT_WAIT`` chooses, ``0`` waits not at all), with a warning on the ``asyncddp``
-logger that names them. Ctrl-C ends the wait at once. A thread blocked in a Python lock (a
-``queue.Queue.get``, an ``Event.wait``: a live feed's generator, say) is not waited for: it is
-in the lock's C code, not in torch's, and stays there as the interpreter finalizes.
+So the threads left behind are noted here (`wait_at_exit`), and so are the workers, which
+tell whether they are in a job (`watch`: a program that leaves its event loop on a
+``KeyboardInterrupt`` out of ``loop.run_until_complete`` leaves them inside a step), and an
+``atexit`` hook, which runs before the interpreter finalizes, waits until none is busy:
+`EXIT_WAIT` seconds at most in all (``ASYNCDDP_EXIT_WAIT`` chooses, ``0`` waits not at all),
+with a warning on the ``asyncddp`` logger that names them. Ctrl-C ends the wait at once. A
+thread blocked in a Python lock (a ``queue.Queue.get``, an ``Event.wait``: a live feed's
+generator, say) is not waited for: it is in the lock's C code, not in torch's, and stays there
+as the interpreter finalizes.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 
-__all__ = ["EXIT_WAIT", "EXIT_WAIT_VARIABLE", "wait_at_exit"]
+__all__ = ["EXIT_WAIT", "EXIT_WAIT_VARIABLE", "wait_at_exit", "watch"]
 
 _log = logging.getLogger("asyncddp")
 
@@ -42,20 +46,30 @@ EXIT_WAIT_VARIABLE = "ASYNCDDP_EXIT_WAIT"
 _LOCK_WAITS = frozenset({threading.__file__, queue.__file__})
 
 _lock = threading.Lock()
-_pending: set[threading.Thread] = set()
+#: Each thread watched, and what tells whether it is busy (None: while it lives). A worker's
+#: check holds it weakly (`weakref.WeakMethod`): it returns None once the worker is gone.
+_pending: dict[threading.Thread, Callable[[], object] | None] = {}
 _hooked = False
 
 
 def wait_at_exit(thread: threading.Thread) -> None:
-    """Have the interpreter's exit wait a while for ``thread`` (see the module). Never
-    raises: it only makes the exit safer."""
+    """Have the interpreter's exit wait a while for ``thread`` to end (see the module)."""
+    watch(thread)
+
+
+def watch(thread: threading.Thread, busy: Callable[[], object] | None = None) -> None:
+    """Have the interpreter's exit wait a while for ``thread`` while ``busy()`` is true (a
+    callable that returns None counts as not busy), or, without ``busy``, until it ends.
+    Never raises: it only makes the exit safer."""
     global _hooked
     if sys.version_info >= (3, 14):
         return
     try:
         with _lock:
-            _pending.difference_update([t for t in _pending if not t.is_alive()])
-            _pending.add(thread)
+            for gone in [t for t in _pending if t.ident is not None and not t.is_alive()]:
+                del _pending[gone]
+            if busy is not None or thread not in _pending:
+                _pending[thread] = busy
             if not _hooked:
                 atexit.register(_wait)
                 _hooked = True
@@ -99,11 +113,25 @@ def _in_a_lock(thread: threading.Thread) -> bool:
     return frame is not None and frame.f_code.co_filename in _LOCK_WAITS
 
 
+def _busy(watched: dict[threading.Thread, Callable[[], object] | None]) -> list[threading.Thread]:
+    """The threads of ``watched`` the exit must still wait for."""
+    busy = []
+    for thread, check in watched.items():
+        if not thread.is_alive() or _in_a_lock(thread):
+            continue
+        if check is not None:
+            flag = check()
+            if flag is None or not (flag() if callable(flag) else flag):
+                continue
+        busy.append(thread)
+    return sorted(busy, key=lambda t: t.name)
+
+
 def _wait() -> None:
     with _lock:
-        threads = sorted((t for t in _pending if t.is_alive()), key=lambda t: t.name)
+        watched = dict(_pending)
         _pending.clear()
-    threads = [thread for thread in threads if not _in_a_lock(thread)]
+    threads = _busy(watched)
     seconds = exit_wait()
     if not threads or seconds <= 0:
         return
@@ -118,11 +146,14 @@ def _wait() -> None:
     )
     deadline = time.monotonic() + seconds
     try:
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        while threads and time.monotonic() < deadline:
+            # A worker ends its job and waits for the next (which never comes): it does not
+            # end, so this looks at them again rather than join them.
+            threads[0].join(min(0.02, max(0.0, deadline - time.monotonic())))
+            threads = _busy({thread: watched[thread] for thread in threads})
     except KeyboardInterrupt:
         return
-    late = [thread.name for thread in threads if thread.is_alive()]
+    late = [thread.name for thread in threads]
     if late:
         _log.warning(
             "%s still running after %g s: exiting under it (the process may abort)",

@@ -20,6 +20,7 @@ import contextvars
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, TypeVar
@@ -28,6 +29,7 @@ import torch
 
 from . import _sched
 from ._devices import Device
+from ._exit import watch
 
 __all__ = [
     "CallerState",
@@ -230,6 +232,7 @@ class DeviceWorker:
             target=self._main, name=f"asyncddp-worker[{device.name}]", daemon=True
         )
         self._slice_ms: float | None = None  # the scheduler slice to ask for (see start)
+        self._in_job = False  # in a job or the work it left for after it (see _exit)
         # torch's global thread count to put back once this worker has its own (see start).
         self._global_threads = global_threads
 
@@ -248,7 +251,12 @@ class DeviceWorker:
             self._slice_ms = cpu_worker_slice() if isinstance(slice_ms, str) else slice_ms
         if self.threads is not None and self._global_threads is None:
             self._global_threads = new_threads_count()
+        # The interpreter's exit waits a while for a job this thread is in (see _exit).
+        watch(self._thread, weakref.WeakMethod(self._is_busy))
         self._thread.start()
+
+    def _is_busy(self) -> bool:
+        return self._in_job
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; it runs after every job queued before it. Safe from any thread."""
@@ -343,6 +351,7 @@ class DeviceWorker:
             job = get()
             if job is None:
                 return
+            self._in_job = True
             try:
                 notify = job()
             except BaseException:  # jobs report their own errors; this is a bug in asyncddp
@@ -361,3 +370,4 @@ class DeviceWorker:
                     after.pop(0)()
                 except BaseException:  # after_job's functions must not raise
                     _log.exception("asyncddp worker for %s: work after a job failed", self.device)
+            self._in_job = False

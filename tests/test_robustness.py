@@ -842,3 +842,41 @@ def test_quick_ctrl_cs_under_trio_during_a_hung_step_end_the_program(interrupts:
     # ending at 22 s), then closing the workers waits its drain_timeout (10 s) for the hung
     # one; a third ends that wait too (at 3 s).
     assert time.monotonic() - started < (19 if interrupts == 2 else 12)
+
+
+def test_ctrl_c_out_of_run_until_complete_mid_step_exits_without_an_abort() -> None:
+    # loop.run_until_complete (IPython's terminal autoawait drives fits so) lets a Ctrl-C out
+    # at once, leaving the fit's task pending and both workers inside a step's torch ops:
+    # the interpreter finalized under them and aborted, exit status 134, in 3 runs of 3.
+    script = textwrap.dedent(
+        """
+        import asyncio, functools, os, signal, threading, time, torch, asyncddp
+
+        def ctrl_c():
+            time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        async def main():
+            x = torch.randn(2048, 512)
+            data = [(x[i:i + 1024], x[i:i + 1024, :1]) for i in range(0, 2048, 1024)]
+            model = torch.nn.Sequential(
+                torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1)
+            )
+            trainer = asyncddp.Trainer(
+                model, functools.partial(torch.optim.SGD, lr=1e-3),
+                lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+                devices=asyncddp.cpu_devices(2), progress_bar=False,
+            )
+            await trainer.fit(data, epochs=1)  # the workers started
+            threading.Thread(target=ctrl_c, daemon=True).start()
+            await trainer.fit(data, epochs=10_000)
+
+        asyncio.new_event_loop().run_until_complete(main())
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert "KeyboardInterrupt" in done.stderr
+    assert "terminate called" not in done.stderr
+    assert done.returncode != -signal.SIGABRT, done.stderr
