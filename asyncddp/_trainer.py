@@ -381,6 +381,8 @@ class Trainer(Resumable):
         self._data_seed: int | None = None  # how the ranks shuffle alike
         self._warned_alone = False  # see DistributedSteps._join
         self._running_call: str | None = None  # see _begin_call
+        # The thread whose event loop runs the call or the session (see _refuse_other_loop).
+        self._loop_thread: int | None = None
         self._queued_undos: list[JobQueuedError] = []  # see _check_queued_undos
         self._from_rank_0 = False  # across ranks: whether rank 0's model was taken yet
         self._cancelled_in_step: BaseException | None = None  # raised once the step is counted
@@ -705,8 +707,10 @@ class Trainer(Resumable):
             The path written.
 
         Raises:
-            ConfigurationError: no ``path``, and the trainer has no ``checkpoint_dir``.
+            ConfigurationError: no ``path``, and the trainer has no ``checkpoint_dir``; or a
+                call of this trainer runs in another thread's event loop (call it there).
         """
+        self._refuse_other_loop("save_checkpoint()")
         if path is None and self.checkpoint_dir is None:
             raise ConfigurationError(
                 "save_checkpoint() without a path writes into checkpoint_dir, and this "
@@ -750,7 +754,8 @@ class Trainer(Resumable):
         Raises:
             ConfigurationError: a step of a fit is in progress (its optimizer step may be
                 half done), or, before the first fit, the model has parameters not made yet (a
-                lazy module's: run one forward first, as ``fit`` says).
+                lazy module's: run one forward first, as ``fit`` says); or a call of this
+                trainer runs in another thread's event loop (call it there).
 
         Warns:
             AsyncDDPWarning: during a fit, the loader thread was still inside a ``next()``
@@ -758,6 +763,7 @@ class Trainer(Resumable):
                 batches loaded ahead otherwise than the fit did (`save_checkpoint` waits, off
                 the event loop).
         """
+        self._refuse_other_loop("state_dict()")
         if self._session_kind is not None and self._window_open:
             raise ConfigurationError(
                 "state_dict() cannot read the state while a step of fit() is in progress (its "
@@ -878,6 +884,7 @@ class Trainer(Resumable):
         scheduler = self._new_scheduler()
         _LAST_CALLER[self._source] = weakref.ref(self)
         self._session_kind = kind
+        self._loop_thread = threading.get_ident()
         self._session_done = anyio.Event()
         ended = False
         # fast_acquire: an uncontended step need not yield to the loop (the step awaits anyway)
@@ -1000,10 +1007,28 @@ class Trainer(Resumable):
         self._refuse_if_running(call, sessions=False)
         self._claim_group(call)
         self._running_call = call
+        self._loop_thread = threading.get_ident()
 
     def _end_call(self) -> None:
         self._release_group()
         self._running_call = None
+
+    def _refuse_other_loop(self, call: str) -> None:
+        """Refuse ``call`` from another thread than the one whose event loop runs this
+        trainer's call or session: their locks and events belong to that loop, and a wait on
+        them from another loop never ends (it deadlocked both)."""
+        running = self._running_call or (
+            f"{self._session_kind}()" if self._session_kind is not None else None
+        )
+        if running is None or current_worker() is not None:
+            return
+        if self._loop_thread not in (None, threading.get_ident()):
+            raise ConfigurationError(
+                f"{call} was called on another thread than the one whose event loop runs "
+                f"{running} on this trainer: its calls share that loop. Call it from there "
+                "(asyncio.run_coroutine_threadsafe(..., loop) or anyio.from_thread.run from "
+                "another thread)"
+            )
 
     def _refuse_if_running(self, call: str, *, sessions: bool = True, calls: bool = True) -> None:
         """Refuse ``call`` (``"fit()"``, say) while, ``sessions``, a fit, validation or

@@ -4247,3 +4247,42 @@ def test_an_event_stream_s_maxlen_must_be_a_count() -> None:
     for value in ("5", 0, 2.5):
         with pytest.raises(ConfigurationError, match=r"^maxlen must be an int >= 1, got"):
             trainer.events(value)  # type: ignore[arg-type]
+
+
+async def test_a_checkpoint_or_state_from_another_thread_s_loop_during_a_fit_is_refused(
+    tmp_path: Any,
+) -> None:
+    # The trainer's step lock belongs to the fit's event loop: save_checkpoint() awaited in
+    # another thread's loop waited on it, and both loops stood still for good; state_dict()
+    # from there read the replicas in the middle of a step.
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    batches = make_batches([2] * 4)
+    errors: list[BaseException] = []
+
+    def from_another_thread() -> None:
+        async def save() -> None:
+            await trainer.save_checkpoint(tmp_path / "other.ckpt")
+
+        for call in (lambda: asyncio.run(save()), trainer.state_dict):
+            try:
+                call()
+            except BaseException as error:  # looked at below
+                errors.append(error)
+
+    async def meanwhile() -> None:
+        async for event in trainer.events():
+            if isinstance(event, asyncddp.StepEnded) and event.step == 2:
+                # Given up on if it never returns (what it did): the test fails, not hangs.
+                await anyio.to_thread.run_sync(from_another_thread, abandon_on_cancel=True)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as group:
+            group.start_soon(meanwhile)
+            await trainer.fit(batches, epochs=3)
+    assert len(errors) == 2
+    for error in errors:
+        assert isinstance(error, ConfigurationError)
+        assert "another thread than the one whose event loop runs fit()" in str(error)
+    assert trainer.global_step == 12
+    assert not (tmp_path / "other.ckpt").exists()
+    trainer.state_dict()  # between calls, from anywhere
