@@ -1264,8 +1264,10 @@ async def test_an_on_cancel_that_raises_is_logged_and_the_step_s_own_error_raise
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     finished: list[int] = []
+    running = threading.Barrier(2, timeout=10)  # both started: no job is dropped as queued
 
     def job(ctx: WorkerContext, shard: None) -> None:
+        running.wait()
         if ctx.device.index == 1:
             raise RuntimeError("cpu#1 failed")
         time.sleep(0.3)
