@@ -9,15 +9,15 @@ op releases the GIL while it computes) the process aborts: "terminate called wit
 active exception", exit status 134, after a script that caught a ``WorkerTimeoutError`` and
 ended, say. (Python 3.14 hangs such a thread instead, CPython gh-87135: nothing to wait for.)
 
-So the threads left behind are noted here (`wait_at_exit`), and so are the workers, which
-tell whether they are in a job (`watch`: a program that leaves its event loop on a
-``KeyboardInterrupt`` out of ``loop.run_until_complete`` leaves them inside a step), and an
-``atexit`` hook, which runs before the interpreter finalizes, waits until none is busy:
-`EXIT_WAIT` seconds at most in all (``ASYNCDDP_EXIT_WAIT`` chooses, ``0`` waits not at all),
-with a warning on the ``asyncddp`` logger that names them. Ctrl-C ends the wait at once. A
-thread blocked in a Python lock (a ``queue.Queue.get``, an ``Event.wait``: a live feed's
-generator, say) is not waited for: it is in the lock's C code, not in torch's, and stays there
-as the interpreter finalizes.
+So the loader threads left behind are noted here (`wait_at_exit`), and so is every worker as
+it starts, with whether it is in a job (`watch`): one left behind is still in its job, and a
+program that leaves its event loop on a ``KeyboardInterrupt`` out of
+``loop.run_until_complete`` leaves them inside a step. An ``atexit`` hook, which runs before
+the interpreter finalizes, waits until none is busy: `EXIT_WAIT` seconds at most in all
+(``ASYNCDDP_EXIT_WAIT`` chooses, ``0`` waits not at all), with a warning on the ``asyncddp``
+logger that names them. Ctrl-C ends the wait at once. A thread blocked in a Python lock (a
+``queue.Queue.get``, an ``Event.wait``: a live feed's generator, say) is not waited for: it is
+in the lock's C code, not in torch's, and stays there as the interpreter finalizes.
 """
 
 from __future__ import annotations
@@ -46,9 +46,8 @@ EXIT_WAIT_VARIABLE = "ASYNCDDP_EXIT_WAIT"
 _LOCK_WAITS = frozenset({threading.__file__, queue.__file__})
 
 _lock = threading.Lock()
-#: Each thread watched, and what tells whether it is busy (None: while it lives). A worker's
-#: check holds it weakly (`weakref.WeakMethod`): it returns None once the worker is gone.
-_pending: dict[threading.Thread, Callable[[], object] | None] = {}
+#: Each thread watched, and what tells whether it is busy (None: while it lives).
+_pending: dict[threading.Thread, Callable[[], bool] | None] = {}
 _hooked = False
 
 
@@ -57,10 +56,9 @@ def wait_at_exit(thread: threading.Thread) -> None:
     watch(thread)
 
 
-def watch(thread: threading.Thread, busy: Callable[[], object] | None = None) -> None:
-    """Have the interpreter's exit wait a while for ``thread`` while ``busy()`` is true (a
-    callable that returns None counts as not busy), or, without ``busy``, until it ends.
-    Never raises: it only makes the exit safer."""
+def watch(thread: threading.Thread, busy: Callable[[], bool] | None = None) -> None:
+    """Have the interpreter's exit wait a while for ``thread`` while ``busy()`` is true, or,
+    without ``busy``, until it ends. Never raises: it only makes the exit safer."""
     global _hooked
     if sys.version_info >= (3, 14):
         return
@@ -113,16 +111,14 @@ def _in_a_lock(thread: threading.Thread) -> bool:
     return frame is not None and frame.f_code.co_filename in _LOCK_WAITS
 
 
-def _busy(watched: dict[threading.Thread, Callable[[], object] | None]) -> list[threading.Thread]:
+def _busy(watched: dict[threading.Thread, Callable[[], bool] | None]) -> list[threading.Thread]:
     """The threads of ``watched`` the exit must still wait for."""
     busy = []
     for thread, check in watched.items():
         if not thread.is_alive() or _in_a_lock(thread):
             continue
-        if check is not None:
-            flag = check()
-            if flag is None or not (flag() if callable(flag) else flag):
-                continue
+        if check is not None and not check():
+            continue
         busy.append(thread)
     return sorted(busy, key=lambda t: t.name)
 

@@ -41,7 +41,6 @@ from ._exceptions import (
     WorkerFailedError,
     WorkerTimeoutError,
 )
-from ._exit import wait_at_exit
 from ._loop import Waker, current_waker
 from ._openmp import release_idle_threads
 from ._progress import Progress, ProgressTracker
@@ -512,7 +511,6 @@ class StepScheduler:
                 for worker, done in zip(self._workers, step.finished, strict=True):
                     if not done:
                         self._left_behind.append(worker.thread)
-                        wait_at_exit(worker.thread)
                 raise
             cancellation = cancellation or cancelled
             if not woken:
@@ -522,7 +520,6 @@ class StepScheduler:
                 worker.join()  # its last job has run: the thread is returning
             else:
                 self._left_behind.append(worker.thread)
-                wait_at_exit(worker.thread)
                 warn_user(
                     f"{worker.thread.name} is still running a job (or the work one left for "
                     f"after it) after drain_timeout="

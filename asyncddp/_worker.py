@@ -251,12 +251,11 @@ class DeviceWorker:
             self._slice_ms = cpu_worker_slice() if isinstance(slice_ms, str) else slice_ms
         if self.threads is not None and self._global_threads is None:
             self._global_threads = new_threads_count()
-        # The interpreter's exit waits a while for a job this thread is in (see _exit).
-        watch(self._thread, weakref.WeakMethod(self._is_busy))
+        # The interpreter's exit waits a while for a job this thread is in (see _exit); it
+        # holds this worker weakly.
+        worker = weakref.ref(self)
+        watch(self._thread, lambda: (alive := worker()) is not None and alive._in_job)
         self._thread.start()
-
-    def _is_busy(self) -> bool:
-        return self._in_job
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; it runs after every job queued before it. Safe from any thread."""
