@@ -921,14 +921,7 @@ async def test_a_second_fit_before_the_first_s_session_leaves_the_first_and_its_
         await check(self)
 
     monkeypatch.setattr(Trainer, "_check_checkpoint_dir", held_check)
-    trainer = Trainer(
-        make_model(),
-        SGD,
-        loss_step,
-        devices=cpu_devices(2),
-        progress_bar=False,
-        checkpoint_dir=tmp_path,
-    )
+    trainer = checkpointing_trainer(tmp_path)
     stream = trainer.events()
     async with anyio.create_task_group() as group:
         group.start_soon(functools.partial(trainer.fit, make_batches([4, 4, 4]), epochs=1))
