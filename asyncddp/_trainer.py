@@ -1013,13 +1013,18 @@ class Trainer(Resumable):
         self._release_group()
         self._running_call = None
 
+    def _session_call(self) -> str | None:
+        """The call the running session is for, as messages name it (None: no session)."""
+        kind = self._session_kind
+        if kind is None:
+            return None
+        return "save_checkpoint()" if kind == "checkpoint" else f"{kind}()"
+
     def _refuse_other_loop(self, call: str) -> None:
         """Refuse ``call`` from another thread than the one whose event loop runs this
         trainer's call or session: their locks and events belong to that loop, and a wait on
         them from another loop never ends (it deadlocked both)."""
-        running = self._running_call or (
-            f"{self._session_kind}()" if self._session_kind is not None else None
-        )
+        running = self._running_call or self._session_call()
         if running is None or current_worker() is not None:
             return
         if self._loop_thread not in (None, threading.get_ident()):
@@ -1034,8 +1039,7 @@ class Trainer(Resumable):
         """Refuse ``call`` (``"fit()"``, say) while, ``sessions``, a fit, validation or
         checkpoint session runs, or, ``calls``, a fit or validate call (see `_begin_call`)."""
         if sessions and self._session_kind is not None:
-            kind = self._session_kind
-            running = "save_checkpoint()" if kind == "checkpoint" else f"{kind}()"
+            running = self._session_call()
         elif calls and self._running_call is not None:
             running = self._running_call
         else:
