@@ -189,6 +189,15 @@ async def test_a_failed_step_s_tensors_go_once_its_error_is_let_go(
         assert [ref() is None for ref in made] == [True] * len(made)
 
 
+def run_script(
+    script: str, *options: str, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``script`` run by this Python in a process of its own, with interpreter ``options``."""
+    return subprocess.run(
+        [sys.executable, *options, "-c", script], capture_output=True, text=True, timeout=timeout
+    )
+
+
 def test_a_fit_without_a_progress_bar_leaves_no_thread_behind() -> None:
     # tqdm(disable=True) still started tqdm's monitor thread, there for the process's life. In
     # a process of its own: the suite's other tests show bars.
@@ -202,9 +211,8 @@ def test_a_fit_without_a_progress_bar_leaves_no_thread_behind() -> None:
         print(sorted(t.name for t in threading.enumerate()))
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
-    )
+    done = run_script(script)
+    done.check_returncode()
     assert done.stdout.strip() == "['MainThread']"
 
 
@@ -273,9 +281,7 @@ def test_a_script_that_ends_with_a_thread_left_behind_in_torch_exits_cleanly(
             "print('exiting', flush=True)",
         ]
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
+    done = run_script(script)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "exiting"
     assert f"waiting up to 10 s for asyncddp-{thread}" in done.stderr
@@ -317,9 +323,7 @@ def test_a_thread_left_behind_in_a_python_lock_does_not_hold_the_exit() -> None:
         print("exiting", time.monotonic(), flush=True)
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
+    done = run_script(script)
     ended = time.monotonic()
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0] == "stopped True"
@@ -830,12 +834,7 @@ def test_quick_ctrl_cs_under_trio_during_a_hung_step_end_the_program(interrupts:
         """
     )
     started = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
+    done = run_script(script, "-W", "ignore", timeout=90)
     assert "KeyboardInterrupt" in done.stderr
     assert done.returncode != 0
     # The second raises out of the step's drain (at 2.5 s; it waited 2 x drain_timeout,
@@ -874,9 +873,7 @@ def test_ctrl_c_out_of_run_until_complete_mid_step_exits_without_an_abort() -> N
         asyncio.new_event_loop().run_until_complete(main())
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True, timeout=120
-    )
+    done = run_script(script, "-W", "ignore")
     assert "KeyboardInterrupt" in done.stderr
     assert "terminate called" not in done.stderr
     assert done.returncode != -signal.SIGABRT, done.stderr
