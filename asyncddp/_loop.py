@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import sys
 import time
 from typing import Any, Protocol
@@ -18,6 +19,14 @@ from typing import Any, Protocol
 import anyio
 
 __all__ = ["Waker", "current_waker"]
+
+# anyio imports the backend of the running event loop library at its first call under it,
+# on the event loop's own thread: under asyncio ~40-140 ms of imports, during the first fit,
+# with the loop blocked. Paid here instead, at import, where a loop is rarely running yet
+# (asyncio is in the standard library; trio's backend is left to anyio, as trio may be
+# absent).
+with contextlib.suppress(ImportError):  # a private module, in anyio 3 and 4 alike
+    importlib.import_module("anyio._backends._asyncio")
 
 
 class Waker(Protocol):

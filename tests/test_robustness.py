@@ -216,6 +216,26 @@ def test_a_fit_without_a_progress_bar_leaves_no_thread_behind() -> None:
     assert done.stdout.strip() == "['MainThread']"
 
 
+def test_the_first_fit_under_asyncio_imports_nothing_of_anyio_on_the_loop() -> None:
+    # anyio imported its asyncio backend at its first call under asyncio: ~40-140 ms of
+    # imports on the event loop's thread, inside the first fit. asyncddp's import pays it.
+    # In a process of its own: the suite has long imported the backend.
+    script = textwrap.dedent(
+        """
+        import asyncio, functools, sys, torch, asyncddp
+        before = set(sys.modules)
+        sgd = functools.partial(torch.optim.SGD, lr=0.1)
+        trainer = asyncddp.Trainer(torch.nn.Linear(2, 1), sgd, lambda m, b: m(b).pow(2).mean(),
+                                   devices=asyncddp.cpu_devices(2), progress_bar=False)
+        asyncio.run(trainer.fit([torch.ones(4, 2)] * 3))
+        print(sorted(m for m in set(sys.modules) - before if m.split(".")[0] == "anyio"))
+        """
+    )
+    done = run_script(script)
+    done.check_returncode()
+    assert done.stdout.strip() == "[]"
+
+
 #: A slow piece of work in torch's own code (a torch op releases the GIL as it computes).
 SLOW_TORCH = """
 def slow_torch(seconds):
