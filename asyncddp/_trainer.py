@@ -1056,6 +1056,10 @@ class Trainer(Resumable):
             "validate()": " (to validate as a fit goes, pass valid_data= to fit)",
             "state_dict()": " (during a fit, save_checkpoint() writes the state between steps)",
         }.get(call, "")
+        if running == "fit()" and not hint:
+            # A fit nobody awaits any more (one left running by a Ctrl-C in IPython's
+            # terminal, which leaves the awaited task pending on its loop) can still be ended.
+            hint = " (or end it at its next optimizer step with stop())"
         raise ConfigurationError(
             f"{call} cannot start while {running} is already running on this trainer: await "
             f"that {running} first{hint}"

@@ -902,7 +902,10 @@ async def test_a_call_while_a_fit_runs_is_refused_saying_which_and_what_to_do() 
         "validate() cannot start while fit() is already running on this trainer: await that "
         "fit() first (to validate as a fit goes, pass valid_data= to fit)"
     )
-    assert refused["fit"].startswith("fit() cannot start while fit() is already running")
+    assert refused["fit"] == (
+        "fit() cannot start while fit() is already running on this trainer: await that fit() "
+        "first (or end it at its next optimizer step with stop())"
+    )
 
 
 async def test_a_second_fit_before_the_first_s_session_leaves_the_first_and_its_streams(
