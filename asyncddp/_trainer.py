@@ -708,7 +708,8 @@ class Trainer(Resumable):
 
         Raises:
             ConfigurationError: no ``path``, and the trainer has no ``checkpoint_dir``; or a
-                call of this trainer runs in another thread's event loop (call it there).
+                call of this trainer runs in another thread's event loop (call it there), or
+                runs while this is called from inside a step (on a worker thread).
         """
         self._refuse_other_loop("save_checkpoint()")
         if path is None and self.checkpoint_dir is None:
@@ -755,7 +756,8 @@ class Trainer(Resumable):
             ConfigurationError: a step of a fit is in progress (its optimizer step may be
                 half done), or, before the first fit, the model has parameters not made yet (a
                 lazy module's: run one forward first, as ``fit`` says); or a call of this
-                trainer runs in another thread's event loop (call it there).
+                trainer runs in another thread's event loop (call it there), or runs while
+                this is called from inside a step (on a worker thread).
 
         Warns:
             AsyncDDPWarning: during a fit, the loader thread was still inside a ``next()``
@@ -1025,14 +1027,28 @@ class Trainer(Resumable):
         trainer's call or session: their locks and events belong to that loop, and a wait on
         them from another loop never ends (it deadlocked both)."""
         running = self._running_call or self._session_call()
-        if running is None or current_worker() is not None:
+        if running is None:
             return
+        if current_worker() is not None:  # a step (this trainer's or another's) that waited
+            # for this trainer's step lock or read its replicas would wait, or read, mid-step
+            self._refuse_from_step(call, running, f"call {call} from your async code")
         if self._loop_thread not in (None, threading.get_ident()):
             raise ConfigurationError(
                 f"{call} was called on another thread than the one whose event loop runs "
                 f"{running} on this trainer: its calls share that loop. Call it from there "
                 "(asyncio.run_coroutine_threadsafe(..., loop) or anyio.from_thread.run from "
                 "another thread)"
+            )
+
+    @staticmethod
+    def _refuse_from_step(call: str, running: str, what_to_do: str) -> None:
+        """Refuse ``call`` on a worker thread, inside a step, while ``running`` runs."""
+        worker = current_worker()
+        if worker is not None:
+            raise ConfigurationError(
+                f"{call} was called from inside a step, on {worker.device.name}'s worker "
+                f"thread, while {running} is already running on this trainer: a step only "
+                f"computes the loss of (model, batch); {what_to_do}"
             )
 
     def _refuse_if_running(self, call: str, *, sessions: bool = True, calls: bool = True) -> None:
@@ -1044,14 +1060,9 @@ class Trainer(Resumable):
             running = self._running_call
         else:
             return
-        worker = current_worker()
-        if worker is not None:
-            raise ConfigurationError(
-                f"{call} was called from inside a step, on {worker.device.name}'s worker "
-                f"thread, while {running} is already running on this trainer: a step only "
-                f"computes the loss of (model, batch); call {call} from your async code once "
-                f"{running} has returned"
-            )
+        self._refuse_from_step(
+            call, running, f"call {call} from your async code once {running} has returned"
+        )
         hint = {
             "validate()": " (to validate as a fit goes, pass valid_data= to fit)",
             "state_dict()": " (during a fit, save_checkpoint() writes the state between steps)",

@@ -1054,6 +1054,32 @@ async def test_a_fit_called_from_inside_a_step_says_so() -> None:
     )
 
 
+@pytest.mark.parametrize("call", ["save_checkpoint()", "state_dict()"])
+async def test_a_checkpoint_or_state_asked_for_from_inside_a_step_says_so(
+    call: str, tmp_path: Any
+) -> None:
+    # save_checkpoint() waited for the step lock, which the calling step holds: every worker
+    # and the event loop stood still for good. state_dict() read the replicas mid-step.
+    def step(model: nn.Module, batch: Any) -> torch.Tensor:
+        if call == "state_dict()":
+            trainer.state_dict()
+        else:
+            asyncio.run(trainer.save_checkpoint(tmp_path / "from-a-step.ckpt"))
+        return loss_step(model, batch)
+
+    trainer = Trainer(make_model(), SGD, step, devices=cpu_devices(2), progress_bar=False)
+    with anyio.fail_after(60), pytest.raises(WorkerFailedError) as caught:
+        await trainer.fit(make_batches([4]))
+    assert isinstance(caught.value.__cause__, ConfigurationError)
+    assert re.match(
+        rf"{re.escape(call)} was called from inside a step, on cpu#\d's worker thread, while "
+        rf"fit\(\) is already running on this trainer: a step only computes the loss of "
+        rf"\(model, batch\); call {re.escape(call)} from your async code$",
+        str(caught.value.__cause__),
+    )
+    assert not (tmp_path / "from-a-step.ckpt").exists()
+
+
 def lightning_step(model: nn.Module, batch: Any, batch_idx: int) -> torch.Tensor:
     return loss_step(model, batch)
 
