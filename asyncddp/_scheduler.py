@@ -49,6 +49,7 @@ from ._worker import (
     DeviceWorker,
     WorkerContext,
     cpu_worker_slice,
+    current_worker,
     new_threads_count,
 )
 
@@ -587,7 +588,8 @@ class StepScheduler:
             ShardError: ``shards`` or ``items`` does not hold one entry per device.
             TypeError: ``fn`` is an ``async def`` function or not callable, or ``on_cancel``
                 is not callable.
-            ConfigurationError: ``shield`` is not True or False (a NumPy bool, 0 or 1 too).
+            ConfigurationError: ``shield`` is not True or False (a NumPy bool, 0 or 1 too);
+                or ``run()`` was called from inside one of this scheduler's jobs.
             SchedulerClosedError: The scheduler is not open.
 
         Cancellation handling:
@@ -602,6 +604,17 @@ class StepScheduler:
                 "run steps inside the block, or make a new scheduler"
                 if self._state == "closed"
                 else f"{self!r} is not started; use 'async with StepScheduler(...) as scheduler:'"
+            )
+        inside = current_worker()
+        if inside is not None and any(
+            w.thread is threading.current_thread() for w in self._workers
+        ):
+            # Its jobs would queue behind the job that waits for them, for good.
+            raise ConfigurationError(
+                f"run() was called from inside a job of this scheduler, on "
+                f"{inside.device.name}'s worker thread: the step's jobs would wait behind that "
+                "job, which waits for them, for good. A job computes one device's part of a "
+                "step; await run() from your async code"
             )
         if _is_async(fn):  # it would return a coroutine nobody awaits
             raise TypeError(

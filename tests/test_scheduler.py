@@ -8,6 +8,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import re
 import signal
 import statistics
 import sys
@@ -216,6 +217,29 @@ async def test_an_async_job_is_refused_before_anything_runs() -> None:
             with pytest.raises(TypeError, match="is an async function"):
                 await scheduler.run(other, [None, None])
         assert scheduler.progress.items_processed == 0
+
+
+async def test_run_called_from_inside_one_of_its_own_jobs_is_refused() -> None:
+    # It hung for good: the inner step's job on the calling worker queued behind the job that
+    # waited for it. Another scheduler's run() from a job is fine.
+    async with StepScheduler(cpu_devices(2)) as scheduler, StepScheduler("cpu") as other:
+
+        def nested(ctx: WorkerContext, shard: None) -> Any:
+            return asyncio.run(scheduler.run(lambda c, s: s, [1, 2]))
+
+        def elsewhere(ctx: WorkerContext, shard: None) -> Any:
+            return asyncio.run(other.run(lambda c, s: s * 2, [ctx.device.index])).outputs
+
+        with anyio.fail_after(60), pytest.raises(WorkerFailedError) as caught:
+            await scheduler.run(nested, [None, None])
+        assert isinstance(caught.value.__cause__, ConfigurationError)
+        assert re.match(
+            r"run\(\) was called from inside a job of this scheduler, on cpu#\d's worker "
+            r"thread: the step's jobs would wait behind that job",
+            str(caught.value.__cause__),
+        )
+        with anyio.fail_after(60):
+            assert (await scheduler.run(elsewhere, [None, None])).outputs == ((0,), (2,))
 
 
 async def test_a_job_that_returns_a_coroutine_fails_naming_it() -> None:
