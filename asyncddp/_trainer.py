@@ -1060,6 +1060,7 @@ class Trainer(Resumable):
             running = self._running_call
         else:
             return
+        assert running is not None  # a session runs
         self._refuse_from_step(
             call, running, f"call {call} from your async code once {running} has returned"
         )
