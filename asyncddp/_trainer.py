@@ -1296,6 +1296,13 @@ def _check_data(data: Iterable[Any], name: str, passes: int) -> None:
             "one sample each, not batches. Pass a list of batches, or "
             "torch.utils.data.DataLoader(TensorDataset(inputs, targets), batch_size=...)"
         )
+    if isinstance(data, (Mapping, str, bytes)):  # iterated, its keys or characters
+        what = ", a mapping" if isinstance(data, Mapping) else ""
+        raise DataError(
+            f"{name} is a {type(data).__name__}{what}: iterated, it gives its "
+            f"{'keys' if isinstance(data, Mapping) else 'characters'}, not batches. Pass a "
+            "list of batches (a batch may be a dict of tensors), or a DataLoader"
+        )
     kind: type = type(data)  # a type, not narrowed: mypy finds Iterable and Dataset at odds
     if issubclass(kind, torch.utils.data.Dataset) and getattr(kind, "__iter__", None) is None:
         raise DataError(

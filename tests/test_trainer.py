@@ -2375,6 +2375,13 @@ def generate_batches() -> Any:
         # TypeError: 'function' object is not iterable, from the loader thread.
         (generate_batches, r"not iterable: function .*function: pass generate_batches\(\)"),
         (5, r"train_data is not iterable: int 5\. Pass an iterable of batches"),
+        # "a batch must hold at least one tensor ...; got str": its keys were taken for batches.
+        (
+            {"inputs": torch.zeros(8, FEATURES), "targets": torch.zeros(8, 1)},
+            r"train_data is a dict, a mapping: iterated, it gives its keys, not batches\. Pass a "
+            r"list of batches \(a batch may be a dict of tensors\)",
+        ),
+        ("batches.pt", r"train_data is a str: iterated, it gives its characters"),
     ],
 )
 async def test_bad_data_is_a_clear_error(data: Any, message: str) -> None:
