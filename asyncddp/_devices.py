@@ -148,6 +148,12 @@ def resolve_devices(spec: DeviceSpec) -> tuple[Device, ...]:
                 f"For several workers on the CPU, {CPU_HINT}"
             )
         seen.add(name)
+    if "cpu" in seen and any(name.startswith("cpu#") for name in seen):
+        # Two workers on one CPU, named as if one were the whole CPU and the other a share.
+        raise DeviceError(
+            f"'cpu' (the CPU as one device) is given with virtual CPU devices ('cpu#N') in "
+            f"{spec!r}; for several workers on the CPU, {CPU_HINT}"
+        )
     return tuple(
         Device(index=i, torch_device=torch_device, name=name)
         for i, (torch_device, name) in enumerate(found)

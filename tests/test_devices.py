@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -141,6 +142,14 @@ def test_any_cuda_spec_fails_without_cuda(spec: object) -> None:
 def test_duplicate_cpu_points_to_cpu_devices() -> None:
     with pytest.raises(DeviceError, match=r"given twice.*cpu_devices"):
         resolve_devices(["cpu", "cpu"])
+
+
+@pytest.mark.usefixtures("no_gpu")
+@pytest.mark.parametrize("spec", [["cpu", "cpu#0"], ["cpu#1", torch.device("cpu")]])
+def test_the_cpu_with_virtual_cpu_devices_points_to_cpu_devices(spec: Any) -> None:
+    # ["cpu", "cpu#0"] gave two workers on the CPU, named as if one were all of it.
+    with pytest.raises(DeviceError, match=r"'cpu' \(the CPU as one device\).*cpu_devices\(2\)"):
+        resolve_devices(spec)
 
 
 @pytest.mark.parametrize("spec", [1.5, None, True, {"cuda": 0}, [1.0], [None], [["cpu"]], b"cpu"])
