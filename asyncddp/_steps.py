@@ -203,15 +203,27 @@ class Steps:
         epoch: int | None = None,
         shield: bool = False,
     ) -> Any:
-        return await self._require_scheduler().run(
-            fn,
-            shards,
-            items=[0] * len(shards),
-            step=self.global_step,
-            epoch=epoch,
-            phase=phase,
-            shield=shield,
-        )
+        scheduler = self._require_scheduler()
+        # The set-up of a fit (building the replicas, copying the model or a checkpoint's state
+        # into them) is not a step: step_timeout does not bound it. The first optimizer a
+        # process builds imports torch._dynamo, about a second, and a big model's copy takes
+        # what it takes: a timeout set for the steps failed every first fit. The scheduler is
+        # this trainer's own, and nothing else runs on it meanwhile.
+        timeout = scheduler.step_timeout
+        if phase == "setup":
+            scheduler.step_timeout = None
+        try:
+            return await scheduler.run(
+                fn,
+                shards,
+                items=[0] * len(shards),
+                step=self.global_step,
+                epoch=epoch,
+                phase=phase,
+                shield=shield,
+            )
+        finally:
+            scheduler.step_timeout = timeout
 
     async def _run_all(self, fn: Any, work: Any = None, *, phase: str, shield: bool = False) -> Any:
         return await self._scheduler_run(fn, [work] * len(self.devices), phase=phase, shield=shield)

@@ -167,10 +167,11 @@ class Trainer(Resumable):
             dynamic loss scaling); also Lightning's ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``.
         split_batches: ``True`` splits every batch along dim 0 across the devices; ``False``
             gives each device whole batches of its own (``len(devices)`` batches per step).
-        step_timeout: Seconds a device may take for one job; see `StepScheduler`.
-            Across processes, waiting for the other ranks in an exchange does not count. On
-            one CPU device with ``atomic_steps``, a step's time includes the backup copied
-            ahead of it.
+        step_timeout: Seconds a device may take for one job; see `StepScheduler`. The
+            set-up of a fit (building the replicas, copying the model or a loaded state into
+            them) is not timed. Across processes, waiting for the other ranks in an exchange
+            does not count. On one CPU device with ``atomic_steps``, a step's time includes
+            the backup copied ahead of it.
         on_failure: What a failed training step does: ``"raise"`` (default), ``"retry"`` it up
             to ``max_retries`` times, or ``"drop"`` the failed devices and go on with the rest.
             A failure in validation, and a non-finite loss with ``check_finite``, raise.
@@ -1121,12 +1122,7 @@ class Trainer(Resumable):
             replica.regroup(parts, device.index, loose=lone)
             return replica
 
-        # Building the replicas is not a step: step_timeout does not bound it. (The first
-        # optimizer a process builds imports torch._dynamo, about a second; a short timeout
-        # failed every first fit.) The scheduler is this trainer's own, and nothing else runs.
-        scheduler = self._require_scheduler()
-        timeout, scheduler.step_timeout = scheduler.step_timeout, None
-        try:
+        try:  # not timed, as every set-up job (see _scheduler_run)
             models: list[nn.Module | None] = [None]  # the first device's: the source
             if parts > 1:
                 models += (await self._run_all(copy_source, phase="setup")).outputs[1:]
@@ -1137,8 +1133,6 @@ class Trainer(Resumable):
                 # A mistake in the arguments, not a device fault; what the factory raised stays.
                 raise cause from cause.__cause__
             raise
-        finally:
-            scheduler.step_timeout = timeout
         replicas: list[Replica] = list(result.outputs)
         layouts = [group_layout(replica) for replica in replicas]
         for replica, layout in zip(replicas[1:], layouts[1:], strict=True):

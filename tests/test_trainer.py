@@ -2760,6 +2760,25 @@ async def test_step_timeout_does_not_bound_building_the_replicas() -> None:
     assert result.global_step == 2
 
 
+async def test_step_timeout_does_not_bound_copying_the_model_in_as_a_fit_starts() -> None:
+    # Copying the model into the replicas as a fit starts was timed as a step: a big model's
+    # copy failed the fit with a WorkerTimeoutError in phase "setup", where the docs say that
+    # the set-up of a fit is not timed.
+    class SlowToCopy(nn.Sequential):
+        def get_extra_state(self) -> Any:
+            return {}
+
+        def set_extra_state(self, state: Any) -> None:
+            time.sleep(0.5)  # a big model's copy
+
+    model = SlowToCopy(make_model())
+    trainer = Trainer(model, SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    await trainer.fit(make_batches([4, 4]), epochs=1)
+    trainer.step_timeout = 0.2
+    result = await trainer.fit(make_batches([4, 4]), epochs=2)  # copies the model in again
+    assert result.global_step == 4
+
+
 def test_numpy_numbers_infinity_and_0_or_1_flags_are_taken_as_python_values() -> None:
     trainer = Trainer(
         make_model(),
