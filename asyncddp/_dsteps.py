@@ -206,6 +206,12 @@ class DistributedSteps(Steps):
             "split_batches": str(self.split_batches),
             "gradient_clip_val": str(self.gradient_clip_val),
             "loss scaling": str(self._scaler is not None),
+            # Under autocast on some ranks only, their gradients' rounding differs from the
+            # others'. Compared by dtype: Lightning's names ("bf16-mixed") are the same.
+            "autocast": str(self._autocast).removeprefix("torch."),
+            # Stepped per step on some ranks and per epoch on others, the ranks' learning
+            # rates, and so their models, drift apart without a word.
+            "lr_scheduler_interval": str(self.lr_scheduler_interval),
             "on_failure": str(self.on_failure),
             "buffers": str([(tuple(b.shape), b.dtype) for b in model.buffers()]),
             "frozen": str(frozen),

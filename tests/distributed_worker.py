@@ -493,6 +493,16 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
             ),
         )
         report["error"] = await refusal(t.fit(batches(), epochs=1))
+    elif scenario == "interval-differs":  # rank 1 steps its learning rate each step
+        t = trainer(
+            1,
+            lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2),
+            lr_scheduler_interval="step" if rank == 1 else "epoch",
+        )
+        report["error"] = await refusal(t.fit(batches(), epochs=1))
+    elif scenario == "precision-differs":  # rank 1 under bf16 autocast
+        t = trainer(1, precision="bf16" if rank == 1 else "32")
+        report["error"] = await refusal(t.fit(batches(), epochs=1))
     elif scenario == "dies-before-joining":  # rank 1 dies building its model, say
         if rank == 1:
             os._exit(3)

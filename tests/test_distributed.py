@@ -770,6 +770,9 @@ def test_every_rank_takes_rank_0s_batchnorm_statistics(tmp_path: Path, devices: 
         # Not compared before: the ranks trained apart, reporting the same loss.
         ("optimizer-differs", "optimizer: SGD [{'lr': 0.3, 'momentum': 0.9,"),
         ("scheduler-differs", "lr_scheduler: StepLR {'step_size': 3, "),
+        # Not compared before: the first two trained apart; the third trained on.
+        ("interval-differs", "lr_scheduler_interval: step on rank 1, epoch on rank 0"),
+        ("precision-differs", "autocast: bfloat16 on rank 1, None on rank 0"),
     ],
 )
 def test_ranks_whose_devices_or_options_differ_are_refused_on_every_rank(
