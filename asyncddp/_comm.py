@@ -68,7 +68,14 @@ import torch
 import torch.distributed as dist
 
 from ._devices import Device
-from ._exceptions import ConfigurationError, WorkerFailedError, _message, _qualified_name
+from ._exceptions import (
+    ConfigurationError,
+    NonFiniteLossError,
+    WorkerFailedError,
+    _message,
+    _NonFiniteLoss,
+    _qualified_name,
+)
 from ._sync import all_finite, clip_coefficient, squared_norm
 from .distributed import _run_id
 
@@ -127,16 +134,8 @@ class Failure:
     cause: bytes | None  # the original exception, pickled, when it pickles
 
     def error(self) -> WorkerFailedError:
-        """A `WorkerFailedError` naming this failure's rank and device."""
-        error = WorkerFailedError(
-            device=self.device,
-            rank=self.rank,
-            error_type=self.error_type,
-            error_message=self.error_message,
-            step=self.step,
-            epoch=self.epoch,
-            phase=self.phase,
-        )
+        """A `WorkerFailedError` naming this failure's rank and device (a
+        `NonFiniteLossError` for a non-finite loss, as the failed rank raises)."""
         cause: BaseException | None = None
         if self.cause is not None:
             try:
@@ -144,6 +143,20 @@ class Failure:
             except Exception:
                 loaded = None
             cause = loaded if isinstance(loaded, BaseException) else None
+        fields: dict[str, Any] = {
+            "device": self.device,
+            "rank": self.rank,
+            "error_type": self.error_type,
+            "error_message": self.error_message,
+            "step": self.step,
+            "epoch": self.epoch,
+            "phase": self.phase,
+        }
+        error = (
+            NonFiniteLossError(loss=cause.loss, **fields)
+            if isinstance(cause, _NonFiniteLoss)
+            else WorkerFailedError(**fields)
+        )
         error.__cause__ = cause if cause is not None else RemoteError(self)
         return error
 

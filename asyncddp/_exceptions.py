@@ -286,6 +286,19 @@ class NonFiniteLossError(WorkerFailedError):
         return {**super()._fields(), "loss": self.loss}
 
 
+class _NonFiniteLoss(Exception):
+    """Raised in a worker for a NaN or infinite loss; the trainer makes it a
+    `NonFiniteLossError` (and so do the other ranks, which get it pickled)."""
+
+    def __init__(self, loss: float) -> None:
+        super().__init__(f"the loss is {loss}")
+        self.loss = loss
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Rebuilt from its loss, not its message ("the loss is the loss is nan").
+        return (type(self), (self.loss,))
+
+
 def _message(exc: BaseException) -> str:
     try:
         return str(exc)

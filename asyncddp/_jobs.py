@@ -22,6 +22,7 @@ from . import _comm
 from ._comm import Comm, Global
 from ._data import holds_cuda, move_to
 from ._exceptions import StepOutputError
+from ._exceptions import _NonFiniteLoss as NonFiniteLoss
 from ._replica import Replica, StepFunction, loss_and_metrics, mirror
 from ._sync import all_gather, all_reduce_chunk, clip_coefficient, reduce_scatter, scale_grads
 from ._worker import WorkerContext, after_job, leave_stream_running
@@ -38,14 +39,6 @@ __all__ = [
     "TrainWork",
     "exchange_gradients",
 ]
-
-
-class NonFiniteLoss(Exception):
-    """Raised in a worker for a NaN or infinite loss; the trainer makes it a NonFiniteLossError."""
-
-    def __init__(self, loss: float) -> None:
-        super().__init__(f"the loss is {loss}")
-        self.loss = loss
 
 
 @dataclass

@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ._checks import warn_user
 from ._comm import PeerFailed, RankLost
 from ._data import items_in, split_batch
@@ -129,6 +131,7 @@ class Steps:
     _optimizer_factory: OptimizerFactory
     _scheduler_factory: SchedulerFactory | None
     _scaler: LossScaler | None
+    _autocast: torch.dtype | None
     _scheduler: StepScheduler | None
     _hub: EventHub
     _window_open: bool

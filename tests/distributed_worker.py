@@ -12,6 +12,7 @@ import asyncio
 import faulthandler
 import functools
 import json
+import math
 import os
 import select
 import signal
@@ -737,6 +738,27 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         except asyncddp.AsyncDDPError as error:
             report["error"] = str(error)
             report["error_type"] = type(error).__name__
+    elif scenario == "nan-on-rank-1":  # rank 1's loss is NaN at its third step
+
+        def nan_at_2(model: Any, batch: Any) -> Any:
+            out = step(model, batch)
+            ctx = asyncddp.current_worker()
+            if rank == 1 and ctx is not None and ctx.step == 2:
+                out = (
+                    {**out, "loss": out["loss"] * math.nan}
+                    if isinstance(out, dict)
+                    else out * math.nan
+                )
+            return out
+
+        t = trainer(1, step=nan_at_2, check_finite=True)
+        try:
+            await t.fit(batches(), epochs=1)
+            report["error"] = None
+        except asyncddp.AsyncDDPError as error:
+            report["error"] = f"{type(error).__name__}: {error}"
+            report["error_rank"] = getattr(error, "rank", None)
+            report["cause"] = f"{type(error.__cause__).__name__}: {error.__cause__}"
     elif scenario == "option-on-one-rank":  # rank 1 assigns an option that cannot work
         t = trainer(1)
         await t.fit(batches(), epochs=1)

@@ -938,6 +938,20 @@ def test_an_option_refused_on_one_rank_makes_every_rank_raise_naming_it(tmp_path
     assert seconds < 30
 
 
+def test_a_non_finite_loss_on_one_rank_is_a_non_finite_loss_error_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    # The other rank raised a plain WorkerFailedError (an "except NonFiniteLossError" caught
+    # it on one rank only), whose cause read "the loss is the loss is nan": the cause was
+    # rebuilt from its message.
+    first, second = both_reports("nan-on-rank-1", tmp_path, timeout=60)
+    for report in (first, second):
+        assert report["error"].startswith("NonFiniteLossError: ")
+        assert "the loss is nan (check_finite=True)" in report["error"]
+        assert report["error_rank"] == 1
+    assert first["cause"] == "_NonFiniteLoss: the loss is nan"
+
+
 @pytest.mark.parametrize("exchange", ["packed", "apart"])
 def test_ranks_in_different_trainers_calls_say_so(tmp_path: Path, exchange: str) -> None:
     # Rank 0 fits trainer A then B, rank 1 B then A, of one model: each exchange met the
