@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from . import _devices
+from ._checks import warn_user
 from ._exceptions import ConfigurationError
 
 __all__ = ["World", "destroy", "init", "is_initialized", "world"]
@@ -74,7 +75,8 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
     """Join the process group described by the ``torchrun`` environment.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (set by
-    ``torchrun``, or by hand). Calling it again returns the group already joined.
+    ``torchrun``, or by hand). Calling it again returns the group already joined (with a
+    warning if it asks for another ``backend``).
 
     Args:
         backend: ``"gloo"`` or ``"nccl"``; by default NCCL when every process of this machine
@@ -100,6 +102,13 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
             GPU).
     """
     if dist.is_initialized():
+        joined = str(dist.get_backend())
+        if backend is not None and str(backend).strip().lower() != joined:
+            warn_user(
+                f"asyncddp.distributed.init(backend={backend!r}): this process has joined a "
+                f"process group over {joined} already, which is returned as it is. To join "
+                "anew over another backend, call asyncddp.distributed.destroy() first"
+            )
         return _current()
     missing = [name for name in _REQUIRED if name not in os.environ]
     if missing:

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -1094,6 +1095,19 @@ def test_init_with_nccl_makes_this_processs_gpu_current(monkeypatch: pytest.Monk
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     asyncddp.distributed.init()
     assert calls == [("device", 3), ("backend", "nccl"), ("device", 0), ("backend", "nccl")]
+
+
+def test_init_again_asking_for_another_backend_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    # It returned the group already joined, over gloo, without a word of the NCCL asked for.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(asyncddp.distributed, "_current", lambda: "the group joined")
+    with pytest.warns(asyncddp.AsyncDDPWarning, match=r"init\(backend='nccl'\): .* over gloo"):
+        assert asyncddp.distributed.init("nccl") == "the group joined"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for backend in ("gloo", None):
+            assert asyncddp.distributed.init(backend) == "the group joined"
 
 
 def test_auto_devices_in_a_group_are_the_gpu_init_made_current(
