@@ -583,8 +583,14 @@ def loss_and_metrics(
             f"{step}'s loss has shape {tuple(loss.shape)}; return a scalar, the mean over the "
             "shard's items (for example loss.mean())"
         )
+    if loss.is_complex():  # backward() refuses it ("grad can be implicitly created only
+        # for real scalar outputs"), and a mean over items of it is no loss to minimise
+        raise StepOutputError(
+            f"{step}'s loss is a complex tensor ({loss.dtype}): return a real loss, such as "
+            "its magnitude or a norm (loss.abs())"
+        )
     if training and not loss.requires_grad:
-        if not (loss.is_floating_point() or loss.is_complex()):
+        if not loss.is_floating_point():
             raise StepOutputError(
                 f"the step's loss is a tensor of {loss.dtype}, which has no gradient (a count, "
                 "or a comparison's result): return a floating-point loss, such as "

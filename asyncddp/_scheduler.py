@@ -910,7 +910,8 @@ class StepScheduler:
             )
         if len(shards) != len(self.devices):
             raise ShardError(
-                f"got {len(shards)} shards for {len(self.devices)} devices; give one shard per "
+                f"got {len(shards)} shard{'s' * (len(shards) != 1)} for {len(self.devices)} "
+                f"device{'s' * (len(self.devices) != 1)}; give one shard per "
                 "device (an empty one for a device with no data)"
             )
         return shards

@@ -121,6 +121,8 @@ async def test_wrong_number_of_shards_fails_before_running() -> None:
     async with StepScheduler(cpu_devices(2)) as scheduler:
         with pytest.raises(ShardError, match="got 3 shards for 2 devices"):
             await scheduler.run(lambda ctx, shard: ran.append(shard), [1, 2, 3])
+        with pytest.raises(ShardError, match="got 1 shard for 2 devices"):  # "1 shards"
+            await scheduler.run(lambda ctx, shard: ran.append(shard), [1])
         with pytest.raises(ShardError, match="sequence"):
             await scheduler.run(lambda ctx, shard: ran.append(shard), "ab")
     assert ran == []

@@ -2278,6 +2278,10 @@ async def test_a_checkpoint_that_resuming_cannot_load_warns_as_it_is_written(
             lambda model, batch: {"accuracy": torch.tensor(1.0)},
             r"a dict without a 'loss' entry \(its keys: 'accuracy'\)",
         ),
+        (  # a WorkerFailedError with torch's "grad can be implicitly created only for real"
+            lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]) * (1 + 1j),
+            r"the step's loss is a complex tensor \(torch.complex64\): return a real loss",
+        ),
     ],
 )
 async def test_a_step_that_returns_no_scalar_loss_is_a_clear_error(step: Any, message: str) -> None:
