@@ -444,7 +444,15 @@ class Trainer(Resumable):
         fit running now: a ``fit`` clears any earlier stop when it starts, so a stop called
         before a fit's task has begun to run (just after ``asyncio.create_task(fit(...))``,
         say) is lost; stop it once it runs (after its ``FitStarted`` event, for example).
+
+        Raises:
+            TypeError: ``reason`` is not a string (it becomes ``FitResult.stop_reason``).
         """
+        if not isinstance(reason, str):
+            raise TypeError(
+                f"reason must be a string, the FitResult's stop_reason, got {type(reason).__name__}"
+                f" {reason!r}"
+            )
         self._stop_reason = reason
         if self._loading is not None:
             self._loading.wake()  # a fit waiting for the loader between steps stops now

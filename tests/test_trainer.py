@@ -1266,6 +1266,14 @@ async def test_stop_from_an_epoch_end_consumer_runs_no_step_of_the_next_epoch(
         assert (await trainer.validate(batches))["loss"] == seen[0]
 
 
+def test_a_stop_reason_that_is_no_string_is_refused() -> None:
+    # stop(123) was taken, and FitResult.stop_reason, a str, came back as the int 123.
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), progress_bar=False)
+    with pytest.raises(TypeError, match=r"reason must be a string, .* got int 123"):
+        trainer.stop(123)  # type: ignore[arg-type]
+    trainer.stop("a reason")
+
+
 async def test_items_per_second_counts_the_items_this_call_trained(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
