@@ -72,6 +72,9 @@ class Resumable(Epochs):
             "devices": [device.name for device in self.devices],
             "data_seed": self._data_seed,
             "world_size": self._batches_world,
+            # What the next step's counted items are weighted against: the rounding of its
+            # gradients' scaling, so a resume's step rounds as the uninterrupted run's did.
+            "items_ref": self._items_ref,
         }
 
     def _adopt(self, state: Mapping[str, Any]) -> None:
@@ -108,6 +111,8 @@ class Resumable(Epochs):
         if state.get("data_seed") is not None:
             self._data_seed = int(state["data_seed"])
         self._batches_world = int(state.get("world_size", 1))
+        ref = state.get("items_ref")  # absent from the checkpoints of earlier versions
+        self._items_ref = float(ref) if ref is not None else None
         if state.get("rng") is not None:
             _checkpoint.restore_rng(state["rng"])
         self._window_open = True  # whatever was half done is undone at the next session start
