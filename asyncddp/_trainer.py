@@ -547,8 +547,7 @@ class Trainer(Resumable):
             # others hear of it.
             await self._join("fit()")
             self._check_options()
-            if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-                raise ConfigurationError(f"epochs must be an int >= 1, got {epochs!r}")
+            epochs = check_int("epochs", epochs, 1)  # NumPy's too: a sweep's from an array
             state = await self._resume_state(resume) if resume is not None else None
             if resume is None:
                 await self._warn_if_checkpoints_ahead()

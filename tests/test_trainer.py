@@ -2818,11 +2818,18 @@ def test_numpy_numbers_infinity_and_0_or_1_flags_are_taken_as_python_values() ->
     assert trainer.check_finite is True
 
 
-@pytest.mark.parametrize("epochs", [0, -1, 1.5, True])
+@pytest.mark.parametrize("epochs", [0, -1, 1.5, True, np.int64(0), np.bool_(True)])
 async def test_epochs_must_be_positive(epochs: Any) -> None:
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), progress_bar=False)
     with pytest.raises(ConfigurationError, match="epochs"):
         await trainer.fit(make_batches([2]), epochs=epochs)
+
+
+async def test_epochs_may_be_a_numpy_integer() -> None:
+    # Refused, as "epochs must be an int >= 1, got np.int64(2)": a sweep's from an array.
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), progress_bar=False)
+    result = await trainer.fit(make_batches([2]), epochs=np.int64(2))
+    assert (result.epoch, type(result.epoch)) == (2, int)
 
 
 def _iter(batches: list[Any]) -> Iterator[Any]:
