@@ -614,7 +614,8 @@ class StepScheduler:
                 f"run() was called from inside a job of this scheduler, on "
                 f"{inside.device.name}'s worker thread: the step's jobs would wait behind that "
                 "job, which waits for them, for good. A job computes one device's part of a "
-                "step; await run() from your async code"
+                "step; await run() from your async code, not from a job, even through the "
+                "event loop (run_coroutine_threadsafe)"
             )
         if _is_async(fn):  # it would return a coroutine nobody awaits
             raise TypeError(

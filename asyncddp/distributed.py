@@ -102,8 +102,9 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
             GPU).
     """
     if dist.is_initialized():
-        joined = str(dist.get_backend())
-        if backend is not None and str(backend).strip().lower() != joined:
+        joined = str(dist.get_backend())  # "gloo", or a device's own, "cpu:gloo,cuda:nccl"
+        parts = {part.rpartition(":")[2] for part in joined.split(",")}
+        if backend is not None and str(backend).strip().lower() not in parts:
             warn_user(
                 f"asyncddp.distributed.init(backend={backend!r}): this process has joined a "
                 f"process group over {joined} already, which is returned as it is. To join "

@@ -773,7 +773,7 @@ def test_every_rank_takes_rank_0s_batchnorm_statistics(tmp_path: Path, devices: 
         ("scheduler-differs", "lr_scheduler: StepLR {'step_size': 3, "),
         # Not compared before: the first two trained apart; the third trained on.
         ("interval-differs", "lr_scheduler_interval: step on rank 1, epoch on rank 0"),
-        ("precision-differs", "autocast: bfloat16 on rank 1, None on rank 0"),
+        ("precision-differs", "autocast: bfloat16 on rank 1, off on rank 0"),
     ],
 )
 def test_ranks_whose_devices_or_options_differ_are_refused_on_every_rank(
@@ -1107,6 +1107,10 @@ def test_init_again_asking_for_another_backend_warns(monkeypatch: pytest.MonkeyP
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for backend in ("gloo", None):
+            assert asyncddp.distributed.init(backend) == "the group joined"
+        # A group joined with a backend for each device type has both.
+        monkeypatch.setattr(torch.distributed, "get_backend", lambda: "cpu:gloo,cuda:nccl")
+        for backend in ("gloo", "nccl"):
             assert asyncddp.distributed.init(backend) == "the group joined"
 
 

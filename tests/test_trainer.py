@@ -1074,7 +1074,8 @@ async def test_a_checkpoint_or_state_asked_for_from_inside_a_step_says_so(
     assert re.match(
         rf"{re.escape(call)} was called from inside a step, on cpu#\d's worker thread, while "
         rf"fit\(\) is already running on this trainer: a step only computes the loss of "
-        rf"\(model, batch\); call {re.escape(call)} from your async code$",
+        rf"\(model, batch\); call {re.escape(call)} from your async code, not from a step, "
+        r"even through the event loop \(run_coroutine_threadsafe\)",
         str(caught.value.__cause__),
     )
     assert not (tmp_path / "from-a-step.ckpt").exists()
