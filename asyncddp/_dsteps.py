@@ -208,7 +208,7 @@ class DistributedSteps(Steps):
             "loss scaling": str(self._scaler is not None),
             # Under autocast on some ranks only, their gradients' rounding differs from the
             # others'. Compared by dtype: Lightning's names ("bf16-mixed") are the same.
-            "autocast": "off" if self._autocast is None else str(self._autocast)[6:],
+            "autocast": str(self._autocast or "off").removeprefix("torch."),
             # Stepped per step on some ranks and per epoch on others, the ranks' learning
             # rates, and so their models, drift apart without a word.
             "lr_scheduler_interval": str(self.lr_scheduler_interval),

@@ -24,7 +24,6 @@ drops the failed devices and retries on the rest. No step is ever half-applied.
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from collections.abc import Sequence
@@ -208,29 +207,29 @@ class Steps:
         shield: bool = False,
     ) -> Any:
         scheduler = self._require_scheduler()
-        run = functools.partial(
-            scheduler.run,
-            fn,
-            shards,
-            items=[0] * len(shards),
-            step=self.global_step,
-            epoch=epoch,
-            phase=phase,
-            shield=shield,
-        )
-        if phase != "setup":
-            return await run()
         # The set-up of a fit (building the replicas, copying the model or a checkpoint's state
         # into them) is not a step: step_timeout does not bound it. The first optimizer a
         # process builds imports torch._dynamo, about a second, and a big model's copy takes
         # what it takes: a timeout set for the steps failed every first fit. The scheduler is
         # this trainer's own; a session's set-up jobs run one after another, and another
         # call's job meanwhile (a checkpoint's) only reads the timeout, as its run starts.
-        timeout, scheduler.step_timeout = scheduler.step_timeout, None
+        setup = phase == "setup"
+        timeout = scheduler.step_timeout
+        if setup:
+            scheduler.step_timeout = None
         try:
-            return await run()
+            return await scheduler.run(
+                fn,
+                shards,
+                items=[0] * len(shards),
+                step=self.global_step,
+                epoch=epoch,
+                phase=phase,
+                shield=shield,
+            )
         finally:
-            scheduler.step_timeout = timeout
+            if setup:
+                scheduler.step_timeout = timeout
 
     async def _run_all(self, fn: Any, work: Any = None, *, phase: str, shield: bool = False) -> Any:
         return await self._scheduler_run(fn, [work] * len(self.devices), phase=phase, shield=shield)

@@ -1037,14 +1037,14 @@ class Trainer(Resumable):
         running = self._running_call or self._session_call()
         if running is None:
             return
-        if current_worker() is not None:  # a step (this trainer's or another's) that waited
-            # for this trainer's step lock or read its replicas would wait, or read, mid-step
-            self._refuse_from_step(
-                call,
-                running,
-                f"call {call} from your async code, not from a step, even through the event "
-                "loop (run_coroutine_threadsafe): the step holds what it waits for",
-            )
+        # A step (this trainer's or another's) that waited for this trainer's step lock or
+        # read its replicas would wait, or read, mid-step.
+        self._refuse_from_step(
+            call,
+            running,
+            f"call {call} from your async code, not from a step, even through the event "
+            "loop (run_coroutine_threadsafe): the step holds what it waits for",
+        )
         if self._loop_thread not in (None, threading.get_ident()):
             raise ConfigurationError(
                 f"{call} was called on another thread than the one whose event loop runs "
