@@ -104,7 +104,7 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
     if dist.is_initialized():
         joined = str(dist.get_backend())  # "gloo", or a device's own, "cpu:gloo,cuda:nccl"
         parts = {part.rpartition(":")[2] for part in joined.split(",")}
-        if backend is not None and str(backend).strip().lower() not in parts:
+        if backend is not None and _backend_name(backend) not in parts:
             warn_user(
                 f"asyncddp.distributed.init(backend={backend!r}): this process has joined a "
                 f"process group over {joined} already, which is returned as it is. To join "
@@ -282,10 +282,7 @@ def _backend(asked: str | None) -> str:
         # its own would leave the others waiting at the first collective: one with too few
         # GPUs is refused below, on every process of it.
         asked = "nccl"
-    if isinstance(asked, str) and asked.lower() in ("gloo", "nccl"):
-        asked = asked.lower()  # as torch takes them ("GLOO", say)
-    else:
-        raise ConfigurationError(f"backend must be 'gloo' or 'nccl', got {asked!r}")
+    asked = _backend_name(asked)
     if asked == "nccl" and gpus == 0:
         raise ConfigurationError(
             "NCCL needs a GPU for each process, and no GPU is visible here: join with "
@@ -300,6 +297,13 @@ def _backend(asked: str | None) -> str:
             "its own with CUDA_VISIBLE_DEVICES)"
         )
     return asked
+
+
+def _backend_name(asked: object) -> str:
+    """``asked`` as torch takes a backend's name (``"GLOO"``: ``"gloo"``), or refused."""
+    if isinstance(asked, str) and asked.lower() in ("gloo", "nccl"):
+        return asked.lower()
+    raise ConfigurationError(f"backend must be 'gloo' or 'nccl', got {asked!r}")
 
 
 def is_initialized() -> bool:
