@@ -53,6 +53,19 @@ async def refusal(fit: Any) -> str | None:
     return None
 
 
+async def note_failure(fit: Any, report: dict[str, Any]) -> None:
+    """Await a fit and note in ``report`` how it failed: ``error`` (None if it did not), and
+    the error's ``error_type``, ``error_rank`` and ``cause``."""
+    try:
+        await fit
+        report["error"] = None
+    except asyncddp.AsyncDDPError as error:
+        report["error"] = f"{type(error).__name__}: {error}"
+        report["error_type"] = getattr(error, "error_type", None)
+        report["error_rank"] = getattr(error, "rank", None)
+        report["cause"] = f"{type(error.__cause__).__name__}: {error.__cause__}"
+
+
 def this_step() -> int:
     """The number of the step a step function runs in, as the scheduler numbered it."""
     ctx = asyncddp.current_worker()
@@ -742,8 +755,7 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
 
         def nan_at_2(model: Any, batch: Any) -> Any:
             out = step(model, batch)
-            ctx = asyncddp.current_worker()
-            if rank == 1 and ctx is not None and ctx.step == 2:
+            if rank == 1 and this_step() == 2:
                 out = (
                     {**out, "loss": out["loss"] * math.nan}
                     if isinstance(out, dict)
@@ -752,25 +764,13 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
             return out
 
         t = trainer(1, step=nan_at_2, check_finite=True)
-        try:
-            await t.fit(batches(), epochs=1)
-            report["error"] = None
-        except asyncddp.AsyncDDPError as error:
-            report["error"] = f"{type(error).__name__}: {error}"
-            report["error_rank"] = getattr(error, "rank", None)
-            report["cause"] = f"{type(error.__cause__).__name__}: {error.__cause__}"
+        await note_failure(t.fit(batches(), epochs=1), report)
     elif scenario == "option-on-one-rank":  # rank 1 assigns an option that cannot work
         t = trainer(1)
         await t.fit(batches(), epochs=1)
         if rank == 1:
             t.gradient_clip_val = -1.0
-        try:
-            await t.fit(batches(), epochs=2)
-            report["error"] = None
-        except asyncddp.AsyncDDPError as error:
-            report["error"] = f"{type(error).__name__}: {error}"
-            report["error_type"] = getattr(error, "error_type", None)
-            report["error_rank"] = getattr(error, "rank", None)
+        await note_failure(t.fit(batches(), epochs=2), report)
     elif scenario == "trainers-crossed":  # rank 1 calls its two trainers in the other order
         first, second = trainer(1), trainer(1)
         for t in (first, second):  # each joins, in the same order on every rank
