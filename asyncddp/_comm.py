@@ -92,7 +92,9 @@ _EXCHANGES = {
     MODEL: "taking rank 0's model (a call's start)",
 }
 _KIND, _ITEMS, _LOSS, _ACTIVE, _FAILED, _STOP, _NEW, _BUCKETS, _COUNTED, _TRAINER = range(10)
-_FIXED = 10
+# The data's mark (see `Comm.data`): how many ranks know theirs, its sum, its squares' sum.
+_MARKED, _MARK, _MARK_SQUARED = 10, 11, 12
+_FIXED = 13
 
 #: Gradient all-reduces are issued in buckets of at most this many bytes (as DDP's 25 MB).
 BUCKET_BYTES = 25 * 1024 * 1024
@@ -332,6 +334,9 @@ class Comm:
         self.name = ""  # rank 0's name for this trainer, once set up
         self.tag = 0  # a number from that name, in every header (see header): 0 until then
         self.announced = False
+        #: The data this rank's steps and validation now read: its name (``"train_data"``) and
+        #: its `data_mark`, sent in their headers, where the ranks compare it.
+        self.data: tuple[str, tuple[int, str] | None] | None = None
         #: The sizes and dtypes of a step's gradient buckets (a failing rank sends zeros alike).
         self.layout: list[tuple[int, torch.dtype]] = []
         # Where collectives' tensors live: NCCL needs them on this process's GPU.
@@ -590,6 +595,18 @@ class Comm:
                 "every rank must make the same calls on its trainer (fit, validate), in the "
                 "same order and with the same arguments"
             )
+        # The ranks' marks are all the same when the sum of their squares, times the ranks,
+        # is their sum squared (each side an integer float64 holds, or rounded alike).
+        marked = round(row[_MARKED]) == self.world_size
+        if marked and self.world_size * row[_MARK_SQUARED] != row[_MARK] * row[_MARK]:
+            assert self.data is not None  # this rank's mark was sent
+            name, (_, words) = self.data  # type: ignore[misc]
+            raise _disagreement(
+                f"the ranks were given different {name}: this rank's is {words}, and another "
+                "rank's differs. Give every rank the same data: asyncddp takes each rank's "
+                "part of it (batches rank, rank + world_size, ...), so parts that differ "
+                "would overlap or leave samples out"
+            )
         if row[_NEW] > 0:
             row += self._register(new, pairs)
         n = self.params if self._agreed else 0
@@ -658,6 +675,8 @@ class Comm:
         row = [float(kind), float(items), float(loss), float(active), float(failed)]
         row += [float(stop), float(bool(new)), 0.0, 0.0]  # _BUCKETS, _COUNTED: the caller's
         row.append(float(self.tag))
+        mark = self.data[1] if self.data is not None and kind in (STEP, VALIDATION) else None
+        row += [1.0, float(mark[0]), float(mark[0]) ** 2] if mark else [0.0, 0.0, 0.0]
         if not self._agreed:  # setup's header: the fixed fields alone (see __init__)
             return row
         row += [float(u) for u in used] if used is not None else [0.0] * self.params

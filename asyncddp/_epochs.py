@@ -38,7 +38,7 @@ from ._exceptions import (
 from ._jobs import Jobs, Sums, check_counts
 from ._loader import ENDED, GAVE_UP, Prefetcher, after_left_behind
 from ._progress import ProgressTracker
-from ._ranks import batch_count, in_memory, rank_items_total_off_loop
+from ._ranks import batch_count, data_mark, in_memory, rank_items_total_off_loop
 from ._replica import Replica
 from ._scheduler import StepScheduler
 from ._steps import Window, shard_items
@@ -212,6 +212,8 @@ class Epochs(DistributedSteps):
         await self._after_left_loading()
         epoch, skip, replay = self.epoch, self._batches_done, {}
         rank, world = (self._comm.rank, self._comm.world_size) if self._comm else (0, 1)
+        if self._comm is not None:  # the steps' exchanges compare it (every rank's the same)
+            self._comm.data = ("train_data", data_mark(data))
         # Progress (and the bar) count this process's devices: its part of the data.
         mine = await rank_items_total_off_loop(data, rank, world)
         if skip and self._epoch_rng is not None and self._batches_world != world:
@@ -548,6 +550,8 @@ class Epochs(DistributedSteps):
             replica.model.eval()
         totals, pending = Sums(), []
         name = "data" if epoch is None else "valid_data"  # validate(data) or fit(valid_data=)
+        if self._comm is not None:  # the validation's exchange compares it
+            self._comm.data = (name, data_mark(data))
         try:
             async with self._prefetcher(self._rank_data(data, 0), name, data) as batches:
                 async for batch in batches:

@@ -18,6 +18,7 @@ epoch, as Lightning does, so that a sampler that shuffles by epoch draws a new o
 from __future__ import annotations
 
 import itertools
+import zlib
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any, cast
 
@@ -31,6 +32,7 @@ from ._exceptions import DataError
 
 __all__ = [
     "batch_count",
+    "data_mark",
     "in_memory",
     "rank_items_total",
     "rank_items_total_off_loop",
@@ -65,6 +67,35 @@ def batch_count(data: Iterable[Any]) -> int | None:
         draws = data.batch_sampler if data.batch_sampler is not None else data.sampler
         return len(data) if _torch_sampler(draws) else None
     return None
+
+
+def data_mark(data: Iterable[Any]) -> tuple[int, str] | None:
+    """What the ranks compare of the data each was given (every rank must be given the same,
+    of which each takes its part): a 16-bit number from its batch count and, for a
+    ``DataLoader``, its dataset's size and batch size, with those in words; ``None`` when
+    none of them is known without iterating (a generator, an iterable dataset without a
+    length). A rank given other data (a batch size, a part split by hand) would train on
+    samples another rank trains on too, or leave some out, without a word."""
+    batches = batch_count(data)
+    samples = size = None
+    if isinstance(data, DataLoader):
+        size = data.batch_size
+        try:
+            samples = len(data.dataset)  # type: ignore[arg-type]
+        except TypeError:  # an iterable dataset without a length
+            samples = None
+    if batches is None and samples is None:
+        return None
+    kind = type(data).__name__
+    words = [f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}"]
+    if batches is not None:
+        words.append(f"of {batches} batch{'' if batches == 1 else 'es'}")
+    if size is not None:
+        words.append(f"(batch_size {size})")
+    if samples is not None:
+        words.append(f"over {samples} sample{'' if samples == 1 else 's'}")
+    mark = zlib.crc32(repr((batches, samples, size)).encode()) & 0xFFFF
+    return mark, " ".join(words)
 
 
 def _torch_sampler(sampler: object) -> bool:

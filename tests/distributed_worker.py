@@ -517,6 +517,17 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
     elif scenario == "precision-differs":  # rank 1 under bf16 autocast
         t = trainer(1, precision="bf16" if rank == 1 else "32")
         report["error"] = await refusal(t.fit(batches(), epochs=1))
+    elif scenario == "batch-size-differs":  # the same dataset, batched otherwise on rank 1
+        inputs, targets = (torch.cat(parts) for parts in zip(*batches(), strict=True))
+        data = torch.utils.data.TensorDataset(inputs, targets)
+        loader = torch.utils.data.DataLoader(data, batch_size=8 if rank == 1 else 12)
+        t = trainer(1)
+        report["error"] = await refusal(t.fit(loader, epochs=1))
+        report["steps"] = t.global_step
+    elif scenario == "valid-data-differs":  # rank 1 validates on a part it split by hand
+        t = trainer(1)
+        valid = batches()[1::2] if rank == 1 else batches()
+        report["error"] = await refusal(t.fit(batches(), valid_data=valid, epochs=1))
     elif scenario == "dies-before-joining":  # rank 1 dies building its model, say
         if rank == 1:
             os._exit(3)

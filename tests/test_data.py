@@ -316,6 +316,29 @@ def test_a_batch_count_is_given_only_where_it_is_exact() -> None:
     assert batch_count(iter([1, 2])) is None
 
 
+def test_the_mark_ranks_compare_tells_batchings_of_one_dataset_apart() -> None:
+    # Ranks given other data (another batch size, a part split by hand) each trained on their
+    # part of their own, overlapping and leaving samples out: the ranks compare this mark.
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from asyncddp._ranks import data_mark
+
+    dataset = TensorDataset(torch.zeros(10, 2))
+    mark = data_mark(DataLoader(dataset, batch_size=4, shuffle=True))
+    assert mark is not None
+    assert mark[1] == "a DataLoader of 3 batches (batch_size 4) over 10 samples"
+    assert data_mark(DataLoader(dataset, batch_size=4)) == mark  # a new loader, shuffled or not
+    others = [
+        DataLoader(dataset, batch_size=5),
+        DataLoader(dataset, batch_size=4, drop_last=True),
+        DataLoader(TensorDataset(torch.zeros(9, 2)), batch_size=4),
+    ]
+    assert len({mark[0], *(data_mark(other)[0] for other in others)}) == 4  # type: ignore[index]
+    assert data_mark([1, 2, 3]) == (data_mark([4, 5, 6])[0], "a list of 3 batches")  # type: ignore[index]
+    assert data_mark([1, 2, 3]) != data_mark([1, 2])
+    assert data_mark(iter([1, 2])) is None  # nothing known without iterating: not compared
+
+
 def test_a_batch_may_hold_a_gpu_tensor_unless_every_part_of_it_is_seen() -> None:
     # On a lone GPU a step reports with its backward still queued, unless its batch is on a
     # GPU already (the backward reads tensors another stream made): a batch whose tensors

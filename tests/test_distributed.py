@@ -788,6 +788,34 @@ def test_ranks_whose_devices_or_options_differ_are_refused_on_every_rank(
     assert seconds < 30
 
 
+@pytest.mark.parametrize(
+    ("scenario", "expected"),
+    [
+        # Both trained on before, each on its part of its own batches: rank 1's batches of 8
+        # overlapped rank 0's of 12, and some samples were trained on by neither.
+        (
+            "batch-size-differs",
+            "the ranks were given different train_data: this rank's is a DataLoader of",
+        ),
+        # Validated before, over rank 1's part of its own part: "exact" means of other samples.
+        ("valid-data-differs", "the ranks were given different valid_data: this rank's is a"),
+    ],
+)
+def test_ranks_given_different_data_are_refused_on_every_rank(
+    tmp_path: Path, scenario: str, expected: str
+) -> None:
+    reports, codes, seconds = launch(scenario, tmp_path, timeout=60)
+    assert codes == [0, 0]
+    for report in reports:
+        assert report is not None
+        assert report["error"] is not None
+        assert expected in report["error"]
+        assert "Give every rank the same data" in report["error"]
+        if scenario == "batch-size-differs":
+            assert report["steps"] == 0  # refused at the first step's exchange, not applied
+    assert seconds < 30
+
+
 def test_a_rank_that_dies_before_joining_is_named_by_the_others(tmp_path: Path) -> None:
     # Lost while the trainers meet for the first time: a WorkerFailedError naming the rank, as
     # later in training, not the internal RankLost it was.
