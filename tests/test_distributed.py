@@ -774,6 +774,11 @@ def test_every_rank_takes_rank_0s_batchnorm_statistics(tmp_path: Path, devices: 
         # Not compared before: the first two trained apart; the third trained on.
         ("interval-differs", "lr_scheduler_interval: step on rank 1, epoch on rank 0"),
         ("precision-differs", "autocast: bfloat16 on rank 1, off on rank 0"),
+        # Not compared before: both trained, each on its part of its own batches, rank 1's
+        # batches of 8 overlapping rank 0's of 12, some samples trained on by neither.
+        ("batch-size-differs", "different train_data: this rank's is a DataLoader of "),
+        # Validated before, over rank 1's part of its own part: "exact" means of other samples.
+        ("valid-data-differs", "different valid_data: this rank's is a list of"),
     ],
 )
 def test_ranks_whose_devices_or_options_differ_are_refused_on_every_rank(
@@ -785,34 +790,7 @@ def test_ranks_whose_devices_or_options_differ_are_refused_on_every_rank(
         assert report is not None
         assert report["error"] is not None
         assert expected in report["error"]
-    assert seconds < 30
-
-
-@pytest.mark.parametrize(
-    ("scenario", "expected"),
-    [
-        # Both trained on before, each on its part of its own batches: rank 1's batches of 8
-        # overlapped rank 0's of 12, and some samples were trained on by neither.
-        (
-            "batch-size-differs",
-            "the ranks were given different train_data: this rank's is a DataLoader of",
-        ),
-        # Validated before, over rank 1's part of its own part: "exact" means of other samples.
-        ("valid-data-differs", "the ranks were given different valid_data: this rank's is a"),
-    ],
-)
-def test_ranks_given_different_data_are_refused_on_every_rank(
-    tmp_path: Path, scenario: str, expected: str
-) -> None:
-    reports, codes, seconds = launch(scenario, tmp_path, timeout=60)
-    assert codes == [0, 0]
-    for report in reports:
-        assert report is not None
-        assert report["error"] is not None
-        assert expected in report["error"]
-        assert "Give every rank the same data" in report["error"]
-        if scenario == "batch-size-differs":
-            assert report["steps"] == 0  # refused at the first step's exchange, not applied
+        assert report.get("steps", 0) == 0  # refused before a step is applied
     assert seconds < 30
 
 
