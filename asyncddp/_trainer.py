@@ -577,6 +577,20 @@ class Trainer(Resumable):
                     stacklevel=2,
                 )
             passes = epochs - self.epoch - (1 if self._epoch_trained else 0)
+            if passes > 0 and not self.model.training:
+                # As a plain loop's model, it trains in its mode; but a model left in eval
+                # mode by an evaluation, or loaded so (Hugging Face's from_pretrained), is
+                # more often a slip than a choice (Lightning's users reported it as a bug).
+                warnings.warn(
+                    "the model is in eval mode (trainer.model.training is False: after an "
+                    "evaluation of your own, or loaded so, as from_pretrained() loads), and "
+                    "fit() trains it as it is, with dropout off and BatchNorm's statistics "
+                    "frozen. Call trainer.model.train() before fit(): asyncddp never switches "
+                    "modes for you (a submodule put in eval mode, a frozen BatchNorm, stays "
+                    "so; the root in eval mode warns)",
+                    AsyncDDPWarning,
+                    stacklevel=2,
+                )
             _check_data(train_data, "train_data", passes)
             self._check_continued(train_data, passes)
             if valid_data is not None:
@@ -1105,6 +1119,14 @@ class Trainer(Resumable):
         # made on its own worker before the module moves (the first job), never from a module
         # half moved.
         _check_made(source)
+        if parts > 1 and any(isinstance(m, nn.SyncBatchNorm) for m in source.modules()):
+            warn_user(
+                f"the model has a SyncBatchNorm, which synchronises its statistics over "
+                f"torch.distributed's process group only: between this process's {parts} "
+                "devices it normalises each device's shard alone, as BatchNorm does (see "
+                "training.md). Across processes (torchrun, on GPUs) torch synchronises it: "
+                "give each process one device there"
+            )
 
         def copy_source(ctx: Any, _: None) -> nn.Module | None:
             if ctx.device.index == 0:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncddp import ConfigurationError, Trainer, cpu_devices
+from asyncddp import AsyncDDPWarning, ConfigurationError, Trainer, cpu_devices
 
 pytestmark = pytest.mark.anyio
 
@@ -123,7 +123,8 @@ async def test_eval_mode_set_between_fits_holds_on_every_device() -> None:
     assert seen == [True] * 4
     seen.clear()
     trainer.model.eval()  # as a plain loop may train with dropout off
-    await trainer.fit(batches, epochs=2)
+    with pytest.warns(AsyncDDPWarning, match=r"the model is in eval mode .* dropout off"):
+        await trainer.fit(batches, epochs=2)
     assert seen == [False] * 4, "a device trained with dropout on"
     await trainer.validate(batches)  # validation puts back the modes it found
     assert [r.model.training for r in trainer._replicas] == [False, False]
@@ -145,6 +146,24 @@ async def test_validation_keeps_a_submodule_frozen_in_eval_mode_frozen(devices: 
     stats = model[1].running_mean.clone()
     await trainer.fit(batches, epochs=2)
     assert torch.equal(trainer.model[1].running_mean, stats)  # a frozen BatchNorm learns none
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_a_sync_batchnorm_on_several_devices_of_one_process_warns_it_syncs_nothing(
+    devices: int,
+) -> None:
+    # A DDP user's convert_sync_batchnorm model trained with no word that its statistics were
+    # each shard's alone (torch syncs over a process group only).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, 16), nn.SyncBatchNorm(16), nn.Linear(16, 3))
+    trainer = trainer_on(devices, model)
+    batches = make_batches([8, 8])
+    if devices == 1:  # one device normalises the whole batch: nothing to say
+        await trainer.fit(batches, epochs=1)
+        return
+    with pytest.warns(AsyncDDPWarning, match="SyncBatchNorm.* normalises each device's shard"):
+        await trainer.fit(batches, epochs=1)
+    await trainer.fit(batches, epochs=2)  # said once, as the replicas are built
 
 
 class Merging(nn.Linear):
