@@ -44,7 +44,7 @@ from ._steps import Steps, Window, phase_from_jobs, shard_items
 from ._sync import bucket_layout
 from ._worker import WorkerContext
 
-__all__ = ["DistributedSteps", "OtherTrainersCall", "collective"]
+__all__ = ["DistributedSteps", "collective", "for_other_trainers_call"]
 
 #: How long a failing rank waits for the others to hear of it before it raises anyway.
 ANNOUNCE_TIMEOUT = 60.0
@@ -56,9 +56,12 @@ T = TypeVar("T")
 _GROUP_CALL: weakref.ref[Any] | None = None
 
 
-class OtherTrainersCall(ConfigurationError):
-    """`DistributedSteps._claim_group`'s refusal for another trainer's call (this trainer
-    has none running, so its event streams end: see ``Trainer.fit``)."""
+def for_other_trainers_call(error: BaseException) -> bool:
+    """Whether ``error`` is `DistributedSteps._claim_group`'s refusal for another trainer's
+    call (this trainer has none running, so its event streams end: see ``Trainer.fit``). A
+    plain `ConfigurationError`, marked: a subclass of its own showed its private name in the
+    user's traceback."""
+    return getattr(error, "for_other_trainers_call", False) is True
 
 
 async def collective(
@@ -143,7 +146,7 @@ class DistributedSteps(Steps):
 
     def _claim_group(self, call: str) -> None:
         """In a process group, refuse ``call`` (``"fit()"``, ``"validate()"``) while another
-        trainer's call runs in this process (`OtherTrainersCall`); else note this one's, until
+        trainer's call runs in this process (`for_other_trainers_call`); else note this one's, until
         `_release_group`.
 
         Every trainer's collectives run on asyncddp's one group (`_comm.own_group`). Two
@@ -159,13 +162,15 @@ class DistributedSteps(Steps):
         other = _GROUP_CALL() if _GROUP_CALL is not None else None
         if other is not None and other is not self:
             running = getattr(other, "_running_call", None) or "a call"
-            raise OtherTrainersCall(
+            error = ConfigurationError(
                 f"{call} cannot start while another Trainer's {running} runs in this process: "
                 "across processes one trainer's call runs at a time (the trainers' collectives "
                 "share the process group, and would meet another trainer's on the other "
                 f"ranks). Await that {running} first, and make the trainers' calls in the same "
                 "order on every rank"
             )
+            error.for_other_trainers_call = True  # type: ignore[attr-defined]
+            raise error
         _GROUP_CALL = weakref.ref(self)
 
     def _release_group(self) -> None:

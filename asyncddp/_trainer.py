@@ -57,7 +57,7 @@ from ._checks import (
 )
 from ._data import empty_up_front, no_batches
 from ._devices import CPU_HINT, Device, DeviceSpec, resolve_devices
-from ._dsteps import OtherTrainersCall
+from ._dsteps import for_other_trainers_call
 from ._epochs import EpochRecord
 from ._events import (
     EventHub,
@@ -526,8 +526,11 @@ class Trainer(Resumable):
         # one's streams end; refused for this trainer's own, that call's streams stay open.
         try:
             self._begin_call("fit()")
-        except OtherTrainersCall as error:
-            self._hub.publish(FitEnded(self.epoch, self.global_step, False, error=_describe(error)))
+        except ConfigurationError as error:
+            if for_other_trainers_call(error):
+                self._hub.publish(
+                    FitEnded(self.epoch, self.global_step, False, error=_describe(error))
+                )
             raise
         try:
             await self._wait_for_checkpoint_session()

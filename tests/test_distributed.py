@@ -1656,8 +1656,10 @@ def test_a_second_trainer_s_call_in_a_process_group_is_refused_while_one_runs() 
                 with pytest.raises(
                     asyncddp.ConfigurationError,
                     match=rf"{re.escape(name)} cannot start while another Trainer's fit\(\) runs",
-                ):
+                ) as refused:
                     await call()
+                # Named so in the traceback, not by a private subclass (OtherTrainersCall was).
+                assert type(refused.value) is asyncddp.ConfigurationError
         assert first.global_step == 14  # undisturbed
         assert second._comm is None  # refused before joining
         await second.fit(worker.batches(), epochs=1)  # once the other call has ended
