@@ -2,7 +2,8 @@
 
 Every exception the library raises on purpose derives from `AsyncDDPError`. Bad input
 also derives from `ValueError` or `TypeError`, so code that already catches those
-keeps working::
+keeps working. (A call Python itself would refuse, an argument of the wrong type or a
+``with`` for an ``async with``, raises Python's own ``TypeError``, as asyncio's do.)::
 
     AsyncDDPError
     ├── DeviceError (ValueError)            a device spec that cannot be used

@@ -324,7 +324,7 @@ class StepScheduler:
     Each device gets one persistent worker thread, started by ``async with`` and reused by
     every step; closing joins them all::
 
-        async with StepScheduler(asyncddp.cpu_devices(2)) as scheduler:
+        async with asyncddp.StepScheduler(asyncddp.cpu_devices(2)) as scheduler:
             result = await scheduler.run(fn, [shard0, shard1])
 
     Args:

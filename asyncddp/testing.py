@@ -25,6 +25,7 @@ import torch
 
 from ._checks import check_int, check_positive
 from ._devices import cpu_devices
+from ._exceptions import ConfigurationError
 from ._worker import WorkerContext, current_worker
 
 __all__ = [
@@ -89,7 +90,7 @@ def _check_index(device: object, *, names: bool = False) -> int:
         raise TypeError(f"device must be {what}, got {device!r}")
     index = operator.index(device)
     if index < 0:
-        raise ValueError(f"device must be an index from 0, got {index}")
+        raise ConfigurationError(f"device must be an index from 0, got {index}")
     return index
 
 
@@ -162,7 +163,7 @@ def fail_on(
     Raises:
         TypeError: ``job`` is not callable, ``device`` is not an index, or ``error`` is not
             an exception.
-        ValueError: ``device`` is below 0, ``step`` is not an int from 0, or ``times`` not
+        ConfigurationError: ``device`` is below 0, ``step`` is not an int from 0, or ``times`` not
             one from 1.
     """
     _check_callable("job", job)
@@ -203,7 +204,7 @@ def hang_on(
     Raises:
         TypeError: ``job`` is not callable, ``device`` is not an index, or ``release`` is
             not a ``threading.Event`` (an ``asyncio.Event``'s ``wait`` cannot block a thread).
-        ValueError: ``device`` is below 0, ``step`` is not an int from 0, ``limit`` is not
+        ConfigurationError: ``device`` is below 0, ``step`` is not an int from 0, ``limit`` is not
             above 0 (``None``: until released), or ``times`` not an int from 1.
     """
     _check_callable("job", job)
@@ -283,13 +284,13 @@ def failing_step(
             ``times=1`` lets the run go on after it.
 
     Raises:
-        ValueError: ``where`` is not one of the three, ``device`` is below 0, ``at`` is not an
-            int from 0, or ``times`` is not an int from 1.
+        ConfigurationError: ``where`` is not one of the three, ``device`` is below 0, ``at``
+            is not an int from 0, or ``times`` is not an int from 1.
         TypeError: ``step`` is not callable, ``device`` is neither an index nor a name, or
             ``error`` is not an exception.
     """
     if where not in ("forward", "backward", "metric"):
-        raise ValueError(f"where must be 'forward', 'backward' or 'metric', got {where!r}")
+        raise ConfigurationError(f"where must be 'forward', 'backward' or 'metric', got {where!r}")
     _check_callable("step", step)
     device = _check_device(device)
     at = check_int("at", at, 0, none=True)
@@ -335,7 +336,7 @@ def hanging_step(
     Raises:
         TypeError: ``step`` is not callable, ``device`` is neither an index nor a name, or
             ``release`` is not a ``threading.Event``.
-        ValueError: ``device`` is below 0, ``at`` is not an int from 0, ``limit`` is not
+        ConfigurationError: ``device`` is below 0, ``at`` is not an int from 0, ``limit`` is not
             above 0 (``None``: until released), or ``times`` not an int from 1.
     """
     _check_callable("step", step)
@@ -371,8 +372,8 @@ def failing_optimizer(
     Raises:
         TypeError: ``factory`` is not callable (an optimizer already built, say), ``device``
             is neither an index nor a name, or ``error`` is not an exception.
-        ValueError: ``device`` is below 0, ``at`` is not an int from 0, or ``times`` is not an
-            int from 1.
+        ConfigurationError: ``device`` is below 0, ``at`` is not an int from 0, or ``times``
+            is not an int from 1.
     """
     if isinstance(factory, torch.optim.Optimizer):
         raise TypeError(

@@ -629,10 +629,14 @@ def test_a_fault_that_could_never_fire_is_refused_where_it_is_made() -> None:
     # pytest's "DID NOT RAISE" and no hint.
     from asyncddp.testing import fail_on
 
-    with pytest.raises(ValueError, match="where must be"):
+    # Each an AsyncDDPError, as the docs promise of a refusal: a ConfigurationError (also a
+    # ValueError), or Python's TypeError for an argument of the wrong type.
+    with pytest.raises(asyncddp.ConfigurationError, match="where must be"):
         failing_step(step, device=1, where="Backward")  # type: ignore[arg-type]
-    for bad in (-1, True, 1.0):
-        with pytest.raises((TypeError, ValueError), match="device must be"):
+    with pytest.raises(asyncddp.ConfigurationError, match="device must be an index from 0"):
+        failing_step(step, device=-1)
+    for bad in (True, 1.0):
+        with pytest.raises(TypeError, match="device must be"):
             failing_step(step, device=bad)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="device must be an index"):
         fail_on(lambda ctx, shard: None, device="cpu#1")  # type: ignore[arg-type]
