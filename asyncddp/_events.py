@@ -8,11 +8,14 @@ bound. A stream ends after the ``FitEnded`` event of the fit it saw.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
+import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import anyio
 import anyio.lowlevel
@@ -157,8 +160,7 @@ class EventStream:
     def __init__(self, hub: EventHub, maxlen: int) -> None:
         self._hub = hub
         self._queue: collections.deque[Event] = collections.deque(maxlen=maxlen)
-        self._wakeup: anyio.Event | None = None  # set by the next event; shared by the waiters
-        self._waiters = 0
+        self._waiters: list[_Waiter] = []  # the consumers waiting for the next event
         self._ended = False
         self.dropped = 0
 
@@ -170,8 +172,11 @@ class EventStream:
             # Its last event, however far behind its consumer is: the next fit's are not its.
             self._ended = True
             self._hub.unsubscribe(self)
-        if self._wakeup is not None:
-            self._wakeup.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        for waiter in tuple(self._waiters):
+            waiter.wake()
 
     def __aiter__(self) -> EventStream:
         return self
@@ -189,27 +194,31 @@ class EventStream:
         while not self._queue:
             if self._ended:
                 raise StopAsyncIteration
-            if self._wakeup is None or self._wakeup.is_set():
-                self._wakeup = anyio.Event()
-            wakeup = self._wakeup  # every task waiting here waits on the same one
+            # Each waiting task has a wakeup of its own, on its own loop: the fit may publish
+            # from another thread's loop (a UI's loop reading a fit run in a thread), or a
+            # wakeup left by a consumer cancelled in an earlier loop would be another loop's.
+            waiter = _Waiter()
             # Held while a consumer waits here: a task nobody keeps (create_task's result
             # dropped) is held by what it waits on alone, this stream.
-            self._waiters += 1
+            self._waiters.append(waiter)
             self._hub._waiting.add(self)
             try:
-                await wakeup.wait()
+                # Looked at again once the wakeup is in place: an event published from
+                # another thread between the look above and now wakes nobody.
+                if not self._queue and not self._ended:
+                    await waiter.event.wait()
             finally:
-                self._waiters -= 1
+                self._waiters.remove(waiter)
                 if not self._waiters:
                     self._hub._waiting.discard(self)
         return self._queue.popleft()  # after a FitEnded nothing more comes in (see _push)
 
     def close(self) -> None:
-        """Stop receiving events; the iteration ends once the buffer is read."""
+        """Stop receiving events; the iteration ends once the buffer is read. May be called
+        from any thread."""
         self._ended = True
         self._hub.unsubscribe(self)
-        if self._wakeup is not None:
-            self._wakeup.set()
+        self._wake()
 
     async def aclose(self) -> None:
         """`close`, for ``contextlib.aclosing`` and other async resource helpers."""
@@ -220,6 +229,47 @@ class EventStream:
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class _Waiter:
+    """One consumer's wait for the next event, on the event loop it runs in: woken from that
+    loop's thread directly, from any other thread through the loop (an ``anyio.Event`` may be
+    set on its own loop's thread only), never waiting for that loop to run it."""
+
+    __slots__ = ("_loop", "_schedule", "event")
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        loop = _running_loop()  # the asyncio loop, or trio's token for its run
+        self._loop = loop
+        self._schedule: Callable[[Callable[[], Any]], Any] = (
+            loop.call_soon_threadsafe
+            if isinstance(loop, asyncio.AbstractEventLoop)
+            else loop.run_sync_soon  # type: ignore[attr-defined]
+        )
+
+    def wake(self) -> None:
+        if _running_loop() is self._loop:
+            self.event.set()
+        else:
+            # Another thread's loop, or one that has ended (its consumer left in it when it
+            # was closed): it has nobody left to wake then.
+            with contextlib.suppress(Exception):
+                self._schedule(self.event.set)
+
+
+def _running_loop() -> object:
+    """The running asyncio loop, or trio's token for the run this thread is in; None outside
+    either."""
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        return loop
+    try:
+        import trio
+
+        return trio.lowlevel.current_trio_token()
+    except (ImportError, RuntimeError):
+        return None
 
 
 class EventHub:
@@ -235,17 +285,23 @@ class EventHub:
         self._streams: weakref.WeakSet[EventStream] = weakref.WeakSet()
         self._waiting: set[EventStream] = set()  # consumers waiting in __anext__
         self._woke = False  # a publish woke a waiting consumer that has not run yet
+        # Streams may be opened and closed on other threads' loops while a fit publishes.
+        self._lock = threading.Lock()
 
     def subscribe(self, maxlen: int | None = None) -> EventStream:
         stream = EventStream(self, maxlen or self._maxlen)
-        self._streams.add(stream)
+        with self._lock:
+            self._streams.add(stream)
         return stream
 
     def unsubscribe(self, stream: EventStream) -> None:
-        self._streams.discard(stream)
+        with self._lock:
+            self._streams.discard(stream)
 
     def publish(self, event: Event) -> None:
-        for stream in tuple(self._streams):
+        with self._lock:
+            streams = tuple(self._streams)
+        for stream in streams:
             stream._push(event)
         if self._waiting:
             self._woke = True

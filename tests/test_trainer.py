@@ -1787,6 +1787,91 @@ async def test_tasks_reading_one_stream_together_share_its_events_and_all_end() 
     )
 
 
+@pytest.mark.parametrize(
+    ("fit_backend", "reader_backend"),
+    [("asyncio", "asyncio"), ("asyncio", "trio"), ("trio", "asyncio")],
+)
+def test_events_read_on_another_threads_loop_come_as_the_fit_publishes(
+    fit_backend: str, reader_backend: str
+) -> None:
+    # A UI's or a server's loop showing a fit run on a thread's loop: the fit set the reader's
+    # wake-up from its own thread, which asyncio does not see (every event came at the
+    # reader's next timeout, or never), asyncio's debug mode and trio refuse (the fit died).
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    stream = trainer.events()
+    waiting = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def train() -> None:
+        waiting.wait(10)
+        try:
+            fit = functools.partial(trainer.fit, make_batches([4] * 6), epochs=2)
+            anyio.run(fit, backend=fit_backend)
+            outcome["ended"] = time.monotonic()
+        except BaseException as error:  # reported below
+            outcome["error"] = error
+
+    async def read() -> list[tuple[str, float]]:
+        got = []
+        with anyio.fail_after(60):  # the reader's loop has nothing else to wake it
+            waiting.set()
+            async for event in stream:
+                got.append((type(event).__name__, time.monotonic()))
+        return got
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    try:
+        got = anyio.run(read, backend=reader_backend)
+    finally:
+        waiting.set()
+        thread.join(60)
+    assert "error" not in outcome, outcome
+    assert [name for name, _ in got].count("StepEnded") == 12
+    assert got[-1][0] == "FitEnded"
+    assert got[-1][1] - outcome["ended"] < 5  # as it came, not at a timeout of the reader's
+
+
+def test_a_stream_left_waiting_in_an_earlier_loop_is_read_in_a_later_one() -> None:
+    # A reader cancelled while it waited left the stream's wake-up, bound to its loop, for the
+    # next reader: "bound to a different event loop" in a later asyncio.run. A reader left
+    # waiting in a loop closed under it failed the next fit: "Event loop is closed".
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    stream, abandoned = trainer.events(), trainer.events()
+
+    async def wait_briefly() -> None:
+        with anyio.move_on_after(0.05):
+            await stream.__anext__()
+
+    asyncio.run(wait_briefly())
+    loop = asyncio.new_event_loop()
+    reader = loop.create_task(abandoned.__anext__())
+    loop.run_until_complete(asyncio.sleep(0.05))  # it waits, and is left waiting
+    loop.close()
+
+    async def fit_and_read() -> list[str]:
+        names: list[str] = []
+
+        async def read() -> None:
+            async for event in stream:
+                names.append(type(event).__name__)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(read)
+            await trainer.fit(make_batches([4] * 2), epochs=1)
+        return names
+
+    assert asyncio.run(fit_and_read()) == [
+        "FitStarted",
+        "StepEnded",
+        "StepEnded",
+        "EpochEnded",
+        "FitEnded",
+    ]
+    assert not reader.done()  # its loop is gone: nobody runs it
+    reader._log_destroy_pending = False  # type: ignore[attr-defined]  # asyncio's log, as it goes
+
+
 async def test_progress_bar_renders(capsys: pytest.CaptureFixture[str]) -> None:
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=True)
     await trainer.fit(make_batches([4, 4]), epochs=1)
