@@ -562,29 +562,27 @@ class Trainer(Resumable):
             if state is not None:
                 self._adopt(state)
             elif resume is not None:  # "latest", and no checkpoint yet (on rank 0)
-                warnings.warn(
+                warn_user(
                     f"resume='latest': no checkpoint in {str(self.checkpoint_dir)!r} yet, so "
                     "nothing is resumed: training goes on from this trainer's own state (the "
                     "start, for a new trainer)",
                     AsyncDDPWarning,
-                    stacklevel=2,
                 )
             if self.epoch >= epochs:
                 done = f"{self.epoch} epoch{'' if self.epoch == 1 else 's'}"
-                warnings.warn(
+                warn_user(
                     f"fit(epochs={epochs}) trains nothing: the trainer has completed {done} "
                     "already, and epochs counts from the start of training (as Lightning's "
                     f"max_epochs); epochs={self.epoch + epochs} trains until "
                     f"{self.epoch + epochs} are complete",
                     AsyncDDPWarning,
-                    stacklevel=2,
                 )
             passes = epochs - self.epoch - (1 if self._epoch_trained else 0)
             if passes > 0 and not self.model.training:
                 # As a plain loop's model, it trains in its mode; but a model left in eval
                 # mode by an evaluation, or loaded so (Hugging Face's from_pretrained), is
                 # more often a slip than a choice (Lightning's users reported it as a bug).
-                warnings.warn(
+                warn_user(
                     "the model is in eval mode (trainer.model.training is False: after an "
                     "evaluation of your own, or loaded so, as from_pretrained() loads), and "
                     "fit() trains it as it is, with dropout off and BatchNorm's statistics "
@@ -592,7 +590,6 @@ class Trainer(Resumable):
                     "modes for you (a submodule put in eval mode, a frozen BatchNorm, stays "
                     "so; the root in eval mode warns)",
                     AsyncDDPWarning,
-                    stacklevel=2,
                 )
             _check_data(train_data, "train_data", passes)
             self._check_continued(train_data, passes)

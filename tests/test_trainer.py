@@ -1832,6 +1832,28 @@ def test_events_read_on_another_threads_loop_come_as_the_fit_publishes(
     assert got[-1][1] - outcome["ended"] < 5  # as it came, not at a timeout of the reader's
 
 
+def test_a_fit_run_as_a_task_warns_at_the_line_that_runs_the_loop() -> None:
+    # fit's own warnings pointed into asyncio (asyncio/events.py) when it ran as a task, and
+    # so Python's default filter showed each once a process, whoever's line led to it.
+    from asyncddp import AsyncDDPWarning
+
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+
+    async def main() -> None:
+        await trainer.fit(make_batches([4]), epochs=1)
+        trainer.model.eval()
+        await asyncio.create_task(trainer.fit(make_batches([4]), epochs=2))  # in eval mode
+        await asyncio.create_task(trainer.fit(make_batches([4]), epochs=2))  # trains nothing
+
+    with pytest.warns(AsyncDDPWarning) as seen:
+        asyncio.run(main())
+    assert [str(w.message)[:25] for w in seen] == [
+        "the model is in eval mode",
+        "fit(epochs=2) trains noth",
+    ]
+    assert [w.filename for w in seen] == [__file__, __file__]  # asyncio.run(main()), above
+
+
 def test_a_stream_left_waiting_in_an_earlier_loop_is_read_in_a_later_one() -> None:
     # A reader cancelled while it waited left the stream's wake-up, bound to its loop, for the
     # next reader: "bound to a different event loop" in a later asyncio.run. A reader left
