@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 import anyio
 import anyio.lowlevel
 
+from ._loop import running_loop
 from ._progress import Progress
 
 __all__ = [
@@ -240,7 +241,7 @@ class _Waiter:
 
     def __init__(self) -> None:
         self.event = anyio.Event()
-        loop = _running_loop()  # the asyncio loop, or trio's token for its run
+        loop = running_loop()  # the asyncio loop, or trio's token for its run
         self._loop = loop
         self._schedule: Callable[[Callable[[], Any]], Any] = (
             loop.call_soon_threadsafe
@@ -249,27 +250,13 @@ class _Waiter:
         )
 
     def wake(self) -> None:
-        if _running_loop() is self._loop:
+        if running_loop() is self._loop:
             self.event.set()
         else:
             # Another thread's loop, or one that has ended (its consumer left in it when it
             # was closed): it has nobody left to wake then.
             with contextlib.suppress(Exception):
                 self._schedule(self.event.set)
-
-
-def _running_loop() -> object:
-    """The running asyncio loop, or trio's token for the run this thread is in; None outside
-    either."""
-    loop = asyncio._get_running_loop()
-    if loop is not None:
-        return loop
-    try:
-        import trio
-
-        return trio.lowlevel.current_trio_token()
-    except (ImportError, RuntimeError):
-        return None
 
 
 class EventHub:

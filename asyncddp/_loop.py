@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import anyio
 
-__all__ = ["Waker", "current_waker"]
+__all__ = ["Waker", "current_waker", "loop_ended", "running_loop"]
 
 # anyio imports the backend of the running event loop library at its first call under it,
 # on the event loop's own thread: under asyncio ~40-140 ms of imports, during the first fit,
@@ -191,6 +191,34 @@ def _from_interrupt(error: BaseException | None) -> bool:
         if isinstance(error, KeyboardInterrupt):
             return True
         error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def running_loop() -> object | None:
+    """The event loop running in this thread: the asyncio loop, or the token of trio's run;
+    ``None`` outside either."""
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        return loop
+    trio = sys.modules.get("trio")
+    if trio is not None and trio.lowlevel.in_trio_run():
+        token: object = trio.lowlevel.current_trio_token()
+        return token
+    return None
+
+
+def loop_ended(loop: object) -> bool:
+    """Whether ``loop`` (from `running_loop`) has ended: an asyncio loop closed, or a trio
+    run finished. Nothing can run a task left pending in it again."""
+    if isinstance(loop, asyncio.AbstractEventLoop):
+        return loop.is_closed()
+    trio = sys.modules.get("trio")
+    if trio is None:
+        return False
+    try:
+        loop.run_sync_soon(lambda: None)  # type: ignore[attr-defined]  # a no-op, if it runs
+    except trio.RunFinishedError:
+        return True
     return False
 
 

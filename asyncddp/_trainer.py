@@ -75,6 +75,7 @@ from ._exceptions import (
 )
 from ._jobs import Jobs, Sums, load_into, to_cpu
 from ._loader import Prefetcher
+from ._loop import loop_ended, running_loop
 from ._precision import LossScaler, autocast_dtype
 from ._ranks import rank_items_total_off_loop
 from ._replica import (
@@ -384,6 +385,7 @@ class Trainer(Resumable):
         self._running_call: str | None = None  # see _begin_call
         # The thread whose event loop runs the call or the session (see _refuse_other_loop).
         self._loop_thread: int | None = None
+        self._call_loop: object | None = None  # the loop that runs the call (running_loop)
         self._queued_undos: list[JobQueuedError] = []  # see _check_queued_undos
         self._from_rank_0 = False  # across ranks: whether rank 0's model was taken yet
         self._cancelled_in_step: BaseException | None = None  # raised once the step is counted
@@ -908,7 +910,7 @@ class Trainer(Resumable):
         scheduler = self._new_scheduler()
         _LAST_CALLER[self._source] = weakref.ref(self)
         self._session_kind = kind
-        self._loop_thread = threading.get_ident()
+        self._loop_thread, self._call_loop = threading.get_ident(), running_loop()
         self._session_done = anyio.Event()
         ended = False
         # fast_acquire: an uncontended step need not yield to the loop (the step awaits anyway)
@@ -1031,7 +1033,7 @@ class Trainer(Resumable):
         self._refuse_if_running(call, sessions=False)
         self._claim_group(call)
         self._running_call = call
-        self._loop_thread = threading.get_ident()
+        self._loop_thread, self._call_loop = threading.get_ident(), running_loop()
 
     def _end_call(self) -> None:
         self._release_group()
@@ -1059,6 +1061,7 @@ class Trainer(Resumable):
             f"call {call} from your async code, not from a step, even through the event "
             "loop (run_coroutine_threadsafe): the step holds what it waits for",
         )
+        self._refuse_if_loop_ended(call, running)
         if self._loop_thread not in (None, threading.get_ident()):
             raise ConfigurationError(
                 f"{call} was called on another thread than the one whose event loop runs "
@@ -1066,6 +1069,28 @@ class Trainer(Resumable):
                 "(asyncio.run_coroutine_threadsafe(..., loop) or anyio.from_thread.run from "
                 "another thread)"
             )
+        here = running_loop()
+        if here is not None and self._call_loop is not None and here is not self._call_loop:
+            # On the thread of that loop, which is not running while this one runs: a wait
+            # for that call would wait for good (it froze both).
+            raise ConfigurationError(
+                f"{call} was called in another event loop than the one that runs {running} on "
+                "this trainer, on the same thread, where that loop cannot run meanwhile: "
+                "call it in that loop (loop.run_until_complete), or once that call has ended"
+            )
+
+    def _refuse_if_loop_ended(self, call: str, running: str) -> None:
+        """Refuse ``call`` while ``running`` is pending in an event loop that has ended."""
+        if self._call_loop is None or not loop_ended(self._call_loop):
+            return
+        raise ConfigurationError(
+            f"{call} cannot run: {running} is still pending on this trainer in an event loop "
+            "that has ended since (closed, or its run finished: a KeyboardInterrupt out of "
+            "loop.run_until_complete, say, then loop.close()). Nothing can run it again, so "
+            "this trainer's calls would wait for it for good. trainer.model holds the weights "
+            f"it left (global_step {self.global_step}; a step it was in may be half applied): "
+            "build a new Trainer on it"
+        )
 
     @staticmethod
     def _refuse_from_step(call: str, running: str, what_to_do: str) -> None:
@@ -1091,6 +1116,7 @@ class Trainer(Resumable):
         self._refuse_from_step(
             call, running, f"call {call} from your async code once {running} has returned"
         )
+        self._refuse_if_loop_ended(call, running)
         hint = {
             "validate()": " (to validate as a fit goes, pass valid_data= to fit)",
             "state_dict()": " (during a fit, save_checkpoint() writes the state between steps)",

@@ -4461,3 +4461,72 @@ async def test_a_checkpoint_or_state_from_another_thread_s_loop_during_a_fit_is_
     assert trainer.global_step == 12
     assert not (tmp_path / "other.ckpt").exists()
     trainer.state_dict()  # between calls, from anywhere
+
+
+def _fit_left_pending(trainer: Trainer, batches: Any) -> tuple[asyncio.AbstractEventLoop, Any]:
+    """A fit left pending in a loop that stopped running mid-fit (as a Ctrl-C out of
+    run_until_complete leaves it: IPython's terminal, a hand-made loop): the loop, the task."""
+    loop = asyncio.new_event_loop()
+    stream = trainer.events()
+    task = loop.create_task(trainer.fit(batches, epochs=1000))
+
+    async def until_step_2() -> None:
+        async for event in stream:
+            if isinstance(event, StepEnded) and event.step == 2:
+                return
+
+    loop.run_until_complete(until_step_2())
+    return loop, task
+
+
+def test_a_call_from_another_loop_on_the_thread_of_a_fit_left_pending_is_refused(
+    tmp_path: Any,
+) -> None:
+    # save_checkpoint() from a new loop on the same thread waited for the step lock of a fit
+    # whose loop could not run meanwhile: for good.
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    loop, task = _fit_left_pending(trainer, make_batches([2] * 4))
+
+    async def save() -> None:
+        with anyio.fail_after(20):
+            await trainer.save_checkpoint(tmp_path / "other.ckpt")
+
+    with pytest.raises(ConfigurationError, match="in another event loop than the one that runs"):
+        asyncio.run(save())
+    trainer.stop()  # that loop runs the fit on to its end
+    result = loop.run_until_complete(task)
+    loop.close()
+    assert result.stopped
+    asyncio.run(save())  # once it has ended, from any loop
+
+
+def test_a_fit_left_pending_in_a_closed_loop_is_named_and_refuses_every_call(
+    tmp_path: Any,
+) -> None:
+    # The fit said "already running: await that fit() first", which nobody can, and
+    # save_checkpoint() waited for good.
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    batches = make_batches([2] * 4)
+    loop, task = _fit_left_pending(trainer, batches)
+    loop.close()
+    ended = re.escape("fit() is still pending on this trainer in an event loop that has ended")
+
+    async def save() -> None:
+        with anyio.fail_after(20):
+            await trainer.save_checkpoint(tmp_path / "other.ckpt")
+
+    for call in (save, functools.partial(trainer.fit, batches, epochs=1)):
+        with pytest.raises(ConfigurationError, match=ended):
+            asyncio.run(call())
+    with pytest.raises(ConfigurationError, match=ended):
+        trainer.state_dict()
+    assert not (tmp_path / "other.ckpt").exists()
+    # The fit's coroutine, closed here rather than by the collector in another test: its
+    # clean-up, with no loop, cannot run; its workers are stopped by hand.
+    scheduler = trainer._scheduler
+    assert scheduler is not None
+    task._log_destroy_pending = False
+    with contextlib.suppress(RuntimeError):
+        task.get_coro().close()
+    for worker in scheduler._workers:
+        worker.stop()
