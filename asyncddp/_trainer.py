@@ -613,6 +613,7 @@ class Trainer(Resumable):
                 if self._comm is not None:  # the ranks end together; a late failure is heard
                     await self._exchange(_comm.FIT_END, last=True)
         except BaseException as error:
+            _quiet_if_closed_without_a_loop()
             if not self._batches_done:
                 self._last_iterator = None
             raised = await self._across_ranks(error)
@@ -679,6 +680,7 @@ class Trainer(Resumable):
             async with self._session("validate"):
                 return await self._validate(data, epoch=None)
         except BaseException as error:
+            _quiet_if_closed_without_a_loop()
             raised = await self._across_ranks(error)
             try:
                 if raised is not error:
@@ -1294,6 +1296,18 @@ def _check_takes_model_and_batch(name: str, function: Any) -> None:
         f"trainer calls it with the device's model and its share of the batch, as "
         f"def {name}(model, batch): return loss"
     )
+
+
+def _quiet_if_closed_without_a_loop() -> None:
+    """In a call's ``except``: end the call quietly if no event loop runs it, as when its
+    coroutine, left pending in a loop that has ended since (a Ctrl-C out of
+    ``run_until_complete``, then the loop closed or the script ended), is closed by the
+    garbage collector. Its clean-up needs a loop and fails; Python printed that failure
+    ("Exception ignored in: <coroutine object Trainer.fit>": "asyncddp needs a running
+    asyncio or trio event loop (use 'await' in one)"), which the user, who did await it, could
+    do nothing with. The worker threads stop as their scheduler is collected."""
+    if running_loop() is None:
+        raise GeneratorExit from None  # what closing a coroutine expects back, quietly
 
 
 def _check(condition: bool, message: str) -> None:
