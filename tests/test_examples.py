@@ -46,6 +46,16 @@ def test_early_stopping_prints_what_the_docs_show() -> None:
     assert "stopped after epoch 9; kept epoch 6" in out  # early, and the best epoch's weights
 
 
+def test_keep_last_keeps_the_newest_checkpoints_across_fits_and_resumes() -> None:
+    # The recipe it replaced, in training.md, counted what one fit saved: it kept every
+    # checkpoint of a script that fits one epoch at a time or resumes, and one path saved
+    # twice (save_checkpoint() at an epoch's end) made it delete a file twice, and raise.
+    out = run_example("examples/keep_last.py")
+    assert out.strip() == (
+        "kept: epoch0007-step000028.ckpt, epoch0008-step000032.ckpt, epoch0009-step000036.ckpt"
+    )
+
+
 def test_trio_quickstart_runs_under_trio() -> None:
     assert run_example("examples/trio_quickstart.py").strip() == "(2, 4)"
 
