@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
+import glob
 import logging
 import os
 import pickle
@@ -65,19 +67,47 @@ def save(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
             f"{str(target)!r} is a folder, and a checkpoint is a file: give the path of a file "
             "to write (none, to write one named for the position into checkpoint_dir)"
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = _create_temporary(target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries_of(target)
+        fd, temporary = _create_temporary(target)
+    except OSError as error:
+        raise _unwritable(target, error) from error
     try:
         with os.fdopen(fd, "wb") as file:
             torch.save({"format": FORMAT, "version": VERSION, **state}, file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, target)
-    except BaseException:
+    except BaseException as error:
         Path(temporary).unlink(missing_ok=True)
+        # torch's writer reports a failed write as a RuntimeError ("unexpected pos 64 vs 0",
+        # "file write failed"), the file system as an OSError (a full disk): neither named
+        # the checkpoint, and neither was an AsyncDDPError.
+        if isinstance(error, (OSError, RuntimeError)):
+            raise _unwritable(target, error) from error
         raise
     _fsync_folder(target.parent)
     return target
+
+
+def _unwritable(target: Path, error: BaseException) -> CheckpointError:
+    """The checkpoint at ``target`` could not be written (the file before it, if any, is
+    left as it was)."""
+    reason = f"{type(error).__name__}: {error}"
+    if isinstance(error, (FileExistsError, NotADirectoryError)):
+        reason += " (a file where a folder of the path should be?)"
+    elif isinstance(error, RuntimeError) or getattr(error, "errno", None) in (
+        errno.ENOSPC,
+        errno.EFBIG,
+        getattr(errno, "EDQUOT", errno.ENOSPC),  # not on every system
+    ):
+        reason += " (a full disk, a quota, or a limit on file sizes?)"
+    return CheckpointError(
+        f"the checkpoint {str(target)!r} could not be written, {reason}; a checkpoint there "
+        "before it is left as it was, and so is the training state: save it again once "
+        "the cause is mended, or elsewhere"
+    )
 
 
 def _create_temporary(target: Path) -> tuple[int, str]:
@@ -545,6 +575,18 @@ _TEMPORARY = re.compile(r"^\.(?P<name>.+)\.\w+\.tmp$")
 STALE_TEMPORARY = 600.0
 
 
+def _remove_stale_temporaries_of(target: Path) -> None:
+    """Remove the temporary files that killed writes of ``target`` left beside it (see
+    `STALE_TEMPORARY`): a path of the user's own (``save_checkpoint("now.ckpt")``), which
+    `remove_stale_temporaries` does not look for, is written again and again."""
+    now = time.time()
+    with contextlib.suppress(OSError):
+        for entry in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
+            match = _TEMPORARY.match(entry.name)
+            if match and match["name"] == target.name:
+                _remove_if_stale(entry, now)
+
+
 def remove_stale_temporaries(folder: Path) -> None:
     """Remove the temporary files of checkpoints fit names (`checkpoint_name`) that killed
     writes left in ``folder``: hidden, and each as large as a checkpoint (see
@@ -553,11 +595,17 @@ def remove_stale_temporaries(folder: Path) -> None:
     with contextlib.suppress(OSError):  # a folder that cannot be listed: nothing to tidy
         for entry in folder.iterdir():
             match = _TEMPORARY.match(entry.name)
-            if match and _NAME.match(match["name"]) and entry.is_file():
-                with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
-                    if now - entry.stat().st_mtime > STALE_TEMPORARY:
-                        entry.unlink()
-                        _log.info("removed %s, a checkpoint write a killed process left", entry)
+            if match and _NAME.match(match["name"]):
+                _remove_if_stale(entry, now)
+
+
+def _remove_if_stale(entry: Path, now: float) -> None:
+    """Remove ``entry``, a checkpoint's temporary file, if no write touched it for
+    `STALE_TEMPORARY` seconds."""
+    with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
+        if entry.is_file() and now - entry.stat().st_mtime > STALE_TEMPORARY:
+            entry.unlink()
+            _log.info("removed %s, a checkpoint write a killed process left", entry)
 
 
 #: Where a loader keeps generators of its own: ``DataLoader(generator=...)`` (which draws the

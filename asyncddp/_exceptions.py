@@ -12,7 +12,7 @@ keeps working. (A call Python itself would refuse, an argument of the wrong type
     ├── ConfigurationError (ValueError)     a Trainer or fit argument that cannot work
     ├── DataError (ValueError)              data with no batches, or a batch that cannot be split
     ├── StepOutputError (TypeError)         a step function that returns no scalar loss
-    ├── CheckpointError                     a checkpoint that cannot be read or loaded
+    ├── CheckpointError                     a checkpoint that cannot be written, read or loaded
     ├── SchedulerClosedError (RuntimeError) a scheduler used outside ``async with``
     └── WorkerFailedError                   a device's job raised
         ├── WorkerTimeoutError              a device's job did not finish in time
@@ -113,10 +113,11 @@ class StepOutputError(AsyncDDPError, TypeError):
 
 
 class CheckpointError(AsyncDDPError):
-    """A checkpoint file is missing, truncated, corrupt, or not an asyncddp checkpoint; or a
-    state (a checkpoint's or ``Trainer.state_dict()``'s) does not fit the trainer it is loaded
-    into: another model's, another optimizer's parameter groups, another LR scheduler's. A
-    state refused so is not
+    """A checkpoint file cannot be written (a full disk, a path under a file: the cause is
+    its ``__cause__``, and a file there before is left whole), or is missing, truncated,
+    corrupt, or not an asyncddp checkpoint; or a state (a checkpoint's or
+    ``Trainer.state_dict()``'s) does not fit the trainer it is loaded into: another model's,
+    another optimizer's parameter groups, another LR scheduler's. A state refused so is not
     taken in part: the trainer stays as it was."""
 
 

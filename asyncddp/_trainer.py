@@ -736,6 +736,8 @@ class Trainer(Resumable):
             ConfigurationError: no ``path``, and the trainer has no ``checkpoint_dir``; or a
                 call of this trainer runs in another thread's event loop (call it there), or
                 runs while this is called from inside a step (on a worker thread).
+            CheckpointError: the file could not be written (a full disk, a path under a file;
+                the cause is its ``__cause__``); a file there before is left whole.
         """
         self._refuse_other_loop("save_checkpoint()")
         if path is None and self.checkpoint_dir is None:

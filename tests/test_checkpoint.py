@@ -623,6 +623,27 @@ async def test_fit_removes_the_temporary_files_of_checkpoint_writes_a_killed_pro
     assert other.exists()
 
 
+async def test_saving_to_a_path_removes_the_temporary_files_killed_writes_of_it_left(
+    tmp_path: Path,
+) -> None:
+    # Only fit's own names were tidied: 8 kills of save_checkpoint("manual.ckpt") writes left
+    # 828 MB of temporary files that stayed for good.
+    import os
+
+    left = tmp_path / ".manual.ckpt.0badf00d.tmp"
+    fresh = tmp_path / ".manual.ckpt.abcdefgh.tmp"  # a live writer's
+    other = tmp_path / ".other.ckpt.0badf00d.tmp"  # another path's, tidied when it is saved
+    for path in (left, fresh, other):
+        path.write_bytes(b"partial")
+    old = os.stat(left).st_mtime - _checkpoint.STALE_TEMPORARY - 60
+    os.utime(left, (old, old))
+    os.utime(other, (old, old))
+    await make_trainer(1).save_checkpoint(tmp_path / "manual.ckpt")
+    assert not left.exists()
+    assert fresh.exists()
+    assert other.exists()
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX file modes")
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 async def test_a_checkpoint_file_takes_the_mode_the_umask_gives_as_torch_save_s(
@@ -664,3 +685,52 @@ def test_a_checkpoint_from_a_machine_with_more_gpus_restores_the_generators_of_t
     _checkpoint.restore_rng({**state, "cuda": saved})
     assert len(restored) == 1
     assert [s.tolist() for s in restored[0]] == [saved[0].tolist()]
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        # A full disk as the file system says it, and as torch's writer does (the same
+        # RuntimeError a file size limit gave in a trial): neither named the checkpoint.
+        OSError(28, "No space left on device"),
+        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"),
+    ],
+)
+async def test_a_checkpoint_that_cannot_be_written_is_a_checkpoint_error_naming_it(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, failure: Exception
+) -> None:
+    trainer = make_trainer(2)
+    await trainer.fit(batches(), epochs=1)
+    target = tmp_path / "now.ckpt"
+    await trainer.save_checkpoint(target)
+    before = target.read_bytes()
+    save = torch.save
+
+    def failing_save(obj: Any, file: Any) -> None:
+        file.write(b"PK\x03\x04 part of a checkpoint")
+        raise failure
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    written = f"the checkpoint '{target}' could not be written"
+    with pytest.raises(CheckpointError, match=written) as raised:
+        await trainer.save_checkpoint(target)
+    assert raised.value.__cause__ is failure
+    assert "a full disk, a quota, or a limit on file sizes" in str(raised.value)
+    assert target.read_bytes() == before  # the one there is left whole
+    assert [p.name for p in tmp_path.iterdir()] == ["now.ckpt"]  # no temporary file left
+    monkeypatch.setattr(torch, "save", save)
+    await trainer.save_checkpoint(target)  # once mended
+
+
+async def test_a_checkpoint_path_under_a_file_is_a_checkpoint_error_naming_it(
+    tmp_path: Any,
+) -> None:
+    # It raised FileExistsError naming the file in the way, not the checkpoint.
+    (tmp_path / "file.txt").write_text("not a folder")
+    trainer = make_trainer(1)
+    target = tmp_path / "file.txt" / "ckpts" / "now.ckpt"
+    in_the_way = "a file where a folder of the path should be"
+    with pytest.raises(CheckpointError, match=in_the_way) as raised:
+        await trainer.save_checkpoint(target)
+    assert str(target) in str(raised.value)
+    assert isinstance(raised.value.__cause__, OSError)
