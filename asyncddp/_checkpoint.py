@@ -293,12 +293,34 @@ def check_fits(
             _warn_if_settings_differ(
                 factory_settings, loaded, scheduled=saved_scheduler is not None
             )
+    _warn_if_scheduler_missing(state, saved_scheduler, make_scheduler)
     if saved_scheduler is not None and make_scheduler is not None and probe_optimizer is not None:
         probe_scheduler = made(make_scheduler, probe_optimizer)
         if probe_scheduler is not None:  # load_state_dict may pop entries: a copy (it is small)
             fresh_state = probe_scheduler.state_dict()
             _try_load(probe_scheduler, copy.deepcopy(saved_scheduler), "LR scheduler")
             _check_kind("LR scheduler", _missing_settings(fresh_state, saved_scheduler))
+
+
+def _warn_if_scheduler_missing(
+    state: Mapping[str, Any], saved: Any, make_scheduler: Callable[[Any], Any] | None
+) -> None:
+    """Warn of a state trained with an LR scheduler loaded by a trainer without one, or the
+    other way round: nothing in either is refused, and the learning rates then follow
+    another schedule than the saved run's, without a word (a factory forgotten on resume)."""
+    if saved is not None and make_scheduler is None:
+        warn_user(
+            "the state holds an LR scheduler's state, and this trainer has no lr_scheduler: "
+            "training goes on at the learning rates the state left, and the saved run's "
+            "schedule goes no further. Pass the lr_scheduler the state was trained with"
+        )
+    elif saved is None and make_scheduler is not None and int(state["global_step"]) > 0:
+        warn_user(
+            "the state holds no LR scheduler's state (its run had no lr_scheduler), so this "
+            f"trainer's lr_scheduler starts its schedule at its beginning from the state's "
+            f"step {int(state['global_step'])} (epoch {int(state['epoch'])}) on, as if training "
+            "began there"
+        )
 
 
 def _optimized(

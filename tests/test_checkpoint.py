@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncddp import (
+    AsyncDDPWarning,
     CheckpointError,
     ConfigurationError,
     StepEnded,
@@ -460,9 +461,21 @@ async def test_a_state_saved_without_an_lr_scheduler_loads_into_a_trainer_with_o
     trainer = make_trainer(2, lr_scheduler=one_cycle, lr_scheduler_interval="step")
     if built:
         await trainer.fit(batches(), epochs=1)
-    trainer.load_state_dict(donor.state_dict())
+    with pytest.warns(AsyncDDPWarning, match="holds no LR scheduler's state .* from the state's"):
+        trainer.load_state_dict(donor.state_dict())
     await trainer.fit(batches(), epochs=2)
     assert trainer._replicas[1].optimizer.param_groups[0]["max_lr"] == 0.5
+
+
+async def test_a_state_with_an_lr_scheduler_loaded_by_a_trainer_without_one_warns() -> None:
+    # A factory forgotten on resume: the learning rate stayed at the state's 0.00125, where the
+    # saved schedule went on down, without a word.
+    step_lr = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5)
+    donor = make_trainer(2, lr_scheduler=step_lr)
+    await donor.fit(batches(), epochs=2)
+    trainer = make_trainer(2)
+    with pytest.warns(AsyncDDPWarning, match="holds an LR scheduler's state, and this trainer"):
+        trainer.load_state_dict(donor.state_dict())
 
 
 async def test_a_cyclic_lr_state_loads_into_every_device(tmp_path: Path) -> None:
