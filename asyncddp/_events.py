@@ -237,12 +237,13 @@ class _Waiter:
     loop's thread directly, from any other thread through the loop (an ``anyio.Event`` may be
     set on its own loop's thread only), never waiting for that loop to run it."""
 
-    __slots__ = ("_loop", "_schedule", "event")
+    __slots__ = ("_loop", "_schedule", "_woken", "event")
 
     def __init__(self) -> None:
         self.event = anyio.Event()
         loop = running_loop()  # the asyncio loop, or trio's token for its run
         self._loop = loop
+        self._woken = False
         self._schedule: Callable[[Callable[[], Any]], Any] = (
             loop.call_soon_threadsafe
             if isinstance(loop, asyncio.AbstractEventLoop)
@@ -250,6 +251,9 @@ class _Waiter:
         )
 
     def wake(self) -> None:
+        if self._woken:  # once: a loop stopped meanwhile would pile up a callback an event
+            return
+        self._woken = True
         if running_loop() is self._loop:
             self.event.set()
         else:
