@@ -2,8 +2,9 @@
 
 Every exception the library raises on purpose derives from `AsyncDDPError`. Bad input
 also derives from `ValueError` or `TypeError`, so code that already catches those
-keeps working. (A call Python itself would refuse, an argument of the wrong type or a
-``with`` for an ``async with``, raises Python's own ``TypeError``, as asyncio's do.)::
+keeps working. (A few calls Python itself would refuse raise its own ``TypeError``, as
+asyncio's do: an object that should be callable, an exception or an event and is not, a
+``with`` for an ``async with``, a ``for`` for an ``async for``; docs/failures.md lists them.)::
 
     AsyncDDPError
     ├── DeviceError (ValueError)            a device spec that cannot be used

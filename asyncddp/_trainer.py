@@ -793,7 +793,7 @@ class Trainer(Resumable):
                 batches loaded ahead otherwise than the fit did (`save_checkpoint` waits, off
                 the event loop).
         """
-        self._refuse_other_loop("state_dict()")
+        self._refuse_other_loop("state_dict()", waits=False)
         if self._session_kind is not None and self._window_open:
             raise ConfigurationError(
                 "state_dict() cannot read the state while a step of fit() is in progress (its "
@@ -1050,10 +1050,12 @@ class Trainer(Resumable):
             return None
         return "save_checkpoint()" if kind == "checkpoint" else f"{kind}()"
 
-    def _refuse_other_loop(self, call: str) -> None:
+    def _refuse_other_loop(self, call: str, *, waits: bool = True) -> None:
         """Refuse ``call`` from another thread than the one whose event loop runs this
         trainer's call or session: their locks and events belong to that loop, and a wait on
-        them from another loop never ends (it deadlocked both)."""
+        them from another loop never ends (it deadlocked both). A call that ``waits`` for that
+        loop is refused from another loop on its thread too, and while it is pending in a loop
+        that has ended (`state_dict()` waits for nothing: it reads the state between steps)."""
         running = self._running_call or self._session_call()
         if running is None:
             return
@@ -1065,7 +1067,8 @@ class Trainer(Resumable):
             f"call {call} from your async code, not from a step, even through the event "
             "loop (run_coroutine_threadsafe): the step holds what it waits for",
         )
-        self._refuse_if_loop_ended(call, running)
+        if waits:
+            self._refuse_if_loop_ended(call, running)
         if self._loop_thread not in (None, threading.get_ident()):
             raise ConfigurationError(
                 f"{call} was called on another thread than the one whose event loop runs "
@@ -1073,7 +1076,7 @@ class Trainer(Resumable):
                 "(asyncio.run_coroutine_threadsafe(..., loop) or anyio.from_thread.run from "
                 "another thread)"
             )
-        here = running_loop()
+        here = running_loop() if waits else None
         if here is not None and self._call_loop is not None and here is not self._call_loop:
             # On the thread of that loop, which is not running while this one runs: a wait
             # for that call would wait for good (it froze both).
@@ -1151,11 +1154,16 @@ class Trainer(Resumable):
         _check_made(source)
         if parts > 1 and any(isinstance(m, nn.SyncBatchNorm) for m in source.modules()):
             warn_user(
-                f"the model has a SyncBatchNorm, which synchronises its statistics over "
+                f"the model has a SyncBatchNorm, which torch supports with one device a "
+                f"process: in a process group, each of this process's {parts} devices would "
+                "run its collectives at once from its own thread (on CPUs torch refuses it), "
+                "so give each process one device there (torchrun, on GPUs)"
+                if distributed.is_initialized() and torch.distributed.get_world_size() > 1
+                else f"the model has a SyncBatchNorm, which synchronises its statistics over "
                 f"torch.distributed's process group only: between this process's {parts} "
                 "devices it normalises each device's shard alone, as BatchNorm does (see "
-                "training.md). Across processes (torchrun, on GPUs) torch synchronises it: "
-                "give each process one device there"
+                "training.md). Across processes (torchrun, on GPUs, one device a process) "
+                "torch synchronises it"
             )
 
         def copy_source(ctx: Any, _: None) -> nn.Module | None:

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -528,6 +529,25 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
         t = trainer(1)
         valid = batches()[1::2] if rank == 1 else batches()
         report["error"] = await refusal(t.fit(batches(), valid_data=valid, epochs=1))
+    elif scenario == "syncbn-two-devices":  # SyncBatchNorm, 2 devices a rank
+        net = torch.nn.Sequential(
+            torch.nn.Linear(6, 16), torch.nn.SyncBatchNorm(16), torch.nn.Linear(16, 3)
+        )
+        t = asyncddp.Trainer(
+            net,
+            functools.partial(torch.optim.SGD, lr=0.1),
+            step,
+            devices=asyncddp.cpu_devices(2),
+            progress_bar=False,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                await t.fit(batches(), epochs=1)
+                report["error"] = None
+            except asyncddp.WorkerFailedError as error:  # torch refuses it on CPUs
+                report["error"] = str(error)
+        report["warnings"] = [str(w.message) for w in caught]
     elif scenario == "dies-before-joining":  # rank 1 dies building its model, say
         if rank == 1:
             os._exit(3)

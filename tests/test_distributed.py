@@ -794,6 +794,20 @@ def test_ranks_whose_devices_or_options_differ_are_refused_on_every_rank(
     assert seconds < 30
 
 
+def test_a_sync_batchnorm_on_two_devices_a_rank_warns_for_one_device_a_process(
+    tmp_path: Path,
+) -> None:
+    # The warning said it normalised each shard alone, as within one process; in a group
+    # torch tries to synchronise it from each device's thread (and refuses it on CPUs).
+    reports, codes, _ = launch("syncbn-two-devices", tmp_path, timeout=60)
+    assert codes == [0, 0]
+    for report in reports:
+        assert report is not None
+        assert any("one device a process" in w for w in report["warnings"])
+        assert not any("shard alone" in w for w in report["warnings"])
+        assert "SyncBatchNorm expected input tensor to be on GPU" in report["error"]
+
+
 def test_a_rank_that_dies_before_joining_is_named_by_the_others(tmp_path: Path) -> None:
     # Lost while the trainers meet for the first time: a WorkerFailedError naming the rank, as
     # later in training, not the internal RankLost it was.
