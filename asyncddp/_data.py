@@ -320,6 +320,10 @@ def items_total(data: Iterable[Any]) -> int | None:
     if dataset is not None and batch_size and hasattr(dataset, "__len__"):
         sampler = getattr(data, "sampler", None)
         if isinstance(dataset, torch.utils.data.IterableDataset):
+            if getattr(data, "drop_last", False) and getattr(data, "num_workers", 0) > 1:
+                # Each worker batches its own part and drops its own last, short batch: how
+                # many items go is the workers' split's to say (32 of 44, in a trial, not 40).
+                return None
             size = len(cast("Sized", dataset))
         elif isinstance(sampler, Sized):
             size = len(sampler)

@@ -229,6 +229,10 @@ def test_items_total_is_unknown_for_a_sampler_of_no_length() -> None:
     assert items_total(loader(data, batch_size=4, sampler=range(0, 20, 2), drop_last=True)) == 8
     assert items_total(loader(data, batch_size=4, shuffle=True)) == 20
     assert items_total(loader(_Stream(), batch_size=4)) == 10  # an iterable dataset's own length
+    assert items_total(loader(_Stream(), batch_size=4, drop_last=True)) == 8
+    # Each of 2 workers drops its own short batch: 32 of 44 items went in a trial, progress
+    # said 40. (The loader is not iterated: no worker starts.)
+    assert items_total(loader(_Stream(), batch_size=4, num_workers=2, drop_last=True)) is None
     assert items_total(loader(data, batch_sampler=[[0, 1], [2]])) is None
 
 
