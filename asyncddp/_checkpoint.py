@@ -21,6 +21,7 @@ import secrets
 import tempfile
 import time
 import warnings
+import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -149,6 +150,7 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
         )
     if not source.is_file():
         raise CheckpointError(f"no checkpoint at {str(source)!r}")
+    _check_records(source)
     try:
         state = torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -185,6 +187,28 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"asyncddp reads version {VERSION}"
         )
     return state
+
+
+def _check_records(source: Path) -> None:
+    """Refuse a checkpoint whose records do not match the CRC-32 torch's writer stored for
+    each: torch's reader does not look, and a bit flipped on a disk or in a copy loaded
+    without a word (a weight of -0.043687 read as -0.043932, or as -1.49e37, in a trial). A
+    file torch wrote without them (``compute_crc32`` off: every one 0) is not checked; one that
+    is not a zip archive is left to ``torch.load`` to refuse. About half a load's time more
+    (0.08 s for 200 MB read from the page cache, against 0.16 s to load it)."""
+    try:
+        with zipfile.ZipFile(source) as archive:
+            if all(info.CRC == 0 for info in archive.infolist()):
+                return
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        return  # truncated, or not a zip: torch.load's error says so, named
+    if bad is not None:
+        raise CheckpointError(
+            f"checkpoint {str(source)!r} is corrupt: its record {bad!r} does not match the "
+            "CRC-32 written with it (a bit changed on the disk, or in a copy). Resume from an "
+            "earlier checkpoint, or copy this one again from where it was written"
+        )
 
 
 def _not_a_state(given: object) -> CheckpointError:

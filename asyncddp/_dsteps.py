@@ -65,7 +65,7 @@ def for_other_trainers_call(error: BaseException) -> bool:
 
 
 async def collective(
-    fn: Callable[..., T], *args: Any, device: torch.device
+    fn: Callable[..., T], *args: Any, device: torch.device, name: str = "asyncddp-collective"
 ) -> tuple[T, BaseException | None]:
     """``fn(*args)``, which talks to the other ranks, on a thread of its own, awaited to its end
     even if the caller is cancelled meanwhile (``anyio.to_thread`` gives up on a plain
@@ -73,6 +73,9 @@ async def collective(
     tensors live (`Comm.device`): a GPU is made the thread's current device, as NCCL's object
     collectives (``all_gather_object``, ``broadcast_object_list``) put their data on it; a new
     thread's is ``cuda:0``, another rank's GPU on all but one process a machine.
+
+    ``name`` names the thread (a checkpoint's write uses it too: see
+    ``Resumable._write_checkpoint``).
 
     Returns ``fn``'s value and the asyncio cancellation that came meanwhile, which the caller
     must re-raise, as that very object; a cancel scope's (trio, anyio) is held off and comes
@@ -91,7 +94,7 @@ async def collective(
             outcome.append((False, error))
         waker.wake_threadsafe()
 
-    threading.Thread(target=target, name="asyncddp-collective", daemon=True).start()
+    threading.Thread(target=target, name=name, daemon=True).start()
     cancellation: BaseException | None = None
     while not outcome:
         _, cancelled = await waker.wait_shielded(None)

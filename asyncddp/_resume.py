@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import torch
 from torch import nn
 
 from . import _checkpoint
@@ -152,12 +153,27 @@ class Resumable(Epochs):
         path = self.checkpoint_dir / _checkpoint.checkpoint_name(self.epoch, self.global_step)
         async with self._step_lock:
             state = await self._snapshot()
-        await self._write_checkpoint(state, path)
+        await self._write_checkpoint(state, path, then=self._paid)
 
-    async def _write_checkpoint(self, state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    def _paid(self) -> None:
+        self._checkpoint_owed = False
+
+    async def _write_checkpoint(
+        self,
+        state: dict[str, Any],
+        path: str | os.PathLike[str],
+        *,
+        then: Callable[[], None] | None = None,
+    ) -> Path:
         """Write ``state`` to ``path`` (atomically, on a thread), then say so: a log record and
-        `CheckpointSaved`, with the epoch and step the state holds."""
-        written, refused = await anyio.to_thread.run_sync(_save_and_scan, state, path)
+        `CheckpointSaved`, with the epoch and step the state holds; then ``then()``.
+
+        A cancellation meanwhile waits for the write, which is said as any other, and is
+        raised after it: anyio's thread gave up on a plain ``task.cancel()`` at once, and the
+        file appeared later with no `CheckpointSaved`, the caller told it was not written."""
+        (written, refused), cancellation = await collective(
+            _save_and_scan, state, path, device=torch.device("cpu"), name="asyncddp-checkpoint"
+        )
         if refused and not self._warned_unloadable:
             self._warned_unloadable = True  # each epoch's would say it again
             warn_user(
@@ -169,6 +185,10 @@ class Resumable(Epochs):
             )
         _log.info("checkpoint saved: %s", written)
         self._hub.publish(CheckpointSaved(str(written), state["epoch"], state["global_step"]))
+        if then is not None:
+            then()
+        if cancellation is not None:
+            raise cancellation
         return written
 
     async def _resume_state(self, resume: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -231,7 +251,8 @@ class Resumable(Epochs):
             return
         warn_user(
             f"checkpoint_dir {str(self.checkpoint_dir)!r} holds a checkpoint further on than "
-            f"this trainer ({newest.name}: {epochs} epochs and {steps} steps done), from "
+            f"this trainer ({newest.name}: {epochs} epoch{'' if epochs == 1 else 's'} and "
+            f"{steps} step{'' if steps == 1 else 's'} done), from "
             "another run, most likely: this fit writes its checkpoints beside it, replacing "
             "those of the same name, and resume='latest' would later pick that one. Pass "
             "resume='latest' to go on from it, or give this run a checkpoint_dir of its own",

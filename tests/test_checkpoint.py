@@ -747,3 +747,69 @@ async def test_a_checkpoint_path_under_a_file_is_a_checkpoint_error_naming_it(
         await trainer.save_checkpoint(target)
     assert str(target) in str(raised.value)
     assert isinstance(raised.value.__cause__, OSError)
+
+
+def test_a_save_cancelled_as_it_writes_waits_for_the_write_and_says_so(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A plain task.cancel() returned at once while the thread went on writing: the file came
+    # later, with no CheckpointSaved, its caller told it was not written.
+    import asyncio
+    import time
+
+    save = _checkpoint.save
+
+    def slow_save(state: Any, path: Any) -> Any:
+        time.sleep(0.3)
+        return save(state, path)
+
+    monkeypatch.setattr(_checkpoint, "save", slow_save)
+    trainer = make_trainer(2)
+    target = tmp_path / "now.ckpt"
+
+    async def main() -> list[str]:
+        stream = trainer.events()
+        task = asyncio.create_task(trainer.save_checkpoint(target))
+        await asyncio.sleep(0.1)  # in the write
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert target.exists()  # written whole before the cancellation came back
+        stream.close()
+        return [type(e).__name__ async for e in stream]
+
+    assert asyncio.run(main()) == ["CheckpointSaved"]
+    assert _checkpoint.load(target)["global_step"] == 0
+
+
+async def test_a_checkpoint_with_a_bit_changed_is_refused_as_corrupt(tmp_path: Any) -> None:
+    # torch's reader does not check the records' CRC-32s: a flipped bit in a weight loaded,
+    # and training went on from the wrong weight, without a word.
+    data = [(torch.randn(6, 400), torch.randn(6, 2))]
+    trainer = make_trainer(2, model=lambda: nn.Linear(400, 2))
+    await trainer.fit(data, epochs=1)
+    path = await trainer.save_checkpoint(tmp_path / "good.ckpt")
+    content = bytearray(path.read_bytes())
+    content[len(content) // 2] ^= 0x01  # inside the weights' record
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(bytes(content))
+    resumed = make_trainer(2, model=lambda: nn.Linear(400, 2))
+    with pytest.raises(CheckpointError, match=r"is corrupt: its record .* does not match the CRC"):
+        await resumed.fit(data, epochs=2, resume=bad)
+    assert resumed.global_step == 0
+    await resumed.fit(data, epochs=2, resume=path)
+    assert resumed.global_step == 2
+
+
+def test_a_checkpoint_torch_wrote_without_crcs_still_loads(tmp_path: Any) -> None:
+    serialization = pytest.importorskip("torch.utils.serialization")
+    config = serialization.config
+
+    state = {"model": {}, "epoch": 0, "global_step": 0, "batches_done": 0}
+    before = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        path = _checkpoint.save(state, tmp_path / "plain.ckpt")
+    finally:
+        config.save.compute_crc32 = before
+    assert _checkpoint.load(path)["global_step"] == 0
