@@ -602,7 +602,7 @@ class Trainer(Resumable):
                 self._hub.publish(
                     FitStarted(epochs, self.epoch, tuple(d.name for d in self.devices), total)
                 )
-                await self._pay_checkpoint()  # the last fit was cancelled as it wrote it
+                await self._pay_checkpoint()  # the last fit's write failed, or was cut short
                 while self.epoch < epochs:
                     if not self._epoch_trained and not await self._train_epoch(train_data, epochs):
                         break  # stop() in mid-epoch
@@ -613,7 +613,7 @@ class Trainer(Resumable):
                 if self._comm is not None:  # the ranks end together; a late failure is heard
                     await self._exchange(_comm.FIT_END, last=True)
         except BaseException as error:
-            _quiet_if_closed_without_a_loop()
+            self._quiet_if_closed_without_its_loop()
             if not self._batches_done:
                 self._last_iterator = None
             raised = await self._across_ranks(error)
@@ -680,7 +680,7 @@ class Trainer(Resumable):
             async with self._session("validate"):
                 return await self._validate(data, epoch=None)
         except BaseException as error:
-            _quiet_if_closed_without_a_loop()
+            self._quiet_if_closed_without_its_loop()
             raised = await self._across_ranks(error)
             try:
                 if raised is not error:
@@ -1069,6 +1069,8 @@ class Trainer(Resumable):
         )
         if waits:
             self._refuse_if_loop_ended(call, running)
+        elif self._call_loop is not None and loop_ended(self._call_loop):
+            return  # nothing runs there any more, its thread maybe gone: read between steps
         if self._loop_thread not in (None, threading.get_ident()):
             raise ConfigurationError(
                 f"{call} was called on another thread than the one whose event loop runs "
@@ -1085,6 +1087,18 @@ class Trainer(Resumable):
                 "this trainer, on the same thread, where that loop cannot run meanwhile: "
                 "call it in that loop (loop.run_until_complete), or once that call has ended"
             )
+
+    def _quiet_if_closed_without_its_loop(self) -> None:
+        """In a call's ``except``: end the call quietly if its own event loop does not run it,
+        as when its coroutine, left pending in a loop that has ended since (a Ctrl-C out of
+        ``run_until_complete``, then the loop closed or the script ended), is closed by the
+        garbage collector, with no loop or another one running. Its clean-up needs its loop
+        and fails; Python printed that failure ("Exception ignored in: <coroutine object
+        Trainer.fit>": "asyncddp needs a running asyncio or trio event loop (use 'await' in
+        one)"), which the user, who did await it, could do nothing with. The worker threads
+        stop as their scheduler is collected."""
+        if running_loop() is not self._call_loop:
+            raise GeneratorExit from None  # what closing a coroutine expects back, quietly
 
     def _refuse_if_loop_ended(self, call: str, running: str) -> None:
         """Refuse ``call`` while ``running`` is pending in an event loop that has ended."""
@@ -1306,18 +1320,6 @@ def _check_takes_model_and_batch(name: str, function: Any) -> None:
         f"trainer calls it with the device's model and its share of the batch, as "
         f"def {name}(model, batch): return loss"
     )
-
-
-def _quiet_if_closed_without_a_loop() -> None:
-    """In a call's ``except``: end the call quietly if no event loop runs it, as when its
-    coroutine, left pending in a loop that has ended since (a Ctrl-C out of
-    ``run_until_complete``, then the loop closed or the script ended), is closed by the
-    garbage collector. Its clean-up needs a loop and fails; Python printed that failure
-    ("Exception ignored in: <coroutine object Trainer.fit>": "asyncddp needs a running
-    asyncio or trio event loop (use 'await' in one)"), which the user, who did await it, could
-    do nothing with. The worker threads stop as their scheduler is collected."""
-    if running_loop() is None:
-        raise GeneratorExit from None  # what closing a coroutine expects back, quietly
 
 
 def _check(condition: bool, message: str) -> None:

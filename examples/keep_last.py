@@ -23,18 +23,25 @@ import torch.nn.functional as F
 
 import asyncddp
 
-
 # --8<-- [start:keep_last]
+FIT_NAME = re.compile(r"epoch(\d+)-step(\d+)\.ckpt")  # the names fit gives its checkpoints
+
+
 def _prune(folder: Path, keep: int) -> None:
-    """Delete all but the newest `keep` of fit's checkpoints in `folder` (by their counts)."""
-    saved = [path for path in folder.glob("epoch*-step*.ckpt") if path.is_file()]
-    saved.sort(key=lambda path: [int(count) for count in re.findall(r"\d+", path.name)])
-    for path in saved[:-keep]:
+    """Delete all but the newest `keep` of fit's checkpoints in `folder` (by their counts);
+    files of other names (a copy of the best, another library's) are left alone."""
+    saved = [
+        (tuple(int(count) for count in match.groups()), path)
+        for path in folder.iterdir()
+        if (match := FIT_NAME.fullmatch(path.name)) and path.is_file()
+    ]
+    saved.sort()
+    for _, path in saved[: max(len(saved) - keep, 0)]:
         path.unlink(missing_ok=True)
 
 
-async def keep_last(trainer: asyncddp.Trainer, keep: int = 3) -> None:
-    async for event in trainer.events():  # the stream ends with the fit's FitEnded
+async def keep_last(trainer: asyncddp.Trainer, events: asyncddp.EventStream, keep: int) -> None:
+    async for event in events:  # the stream ends with the fit's FitEnded
         folder = trainer.checkpoint_dir
         # save_checkpoint("now.ckpt") says CheckpointSaved too: only checkpoint_dir is pruned.
         if isinstance(event, asyncddp.CheckpointSaved) and Path(event.path).parent == folder:
@@ -42,10 +49,10 @@ async def keep_last(trainer: asyncddp.Trainer, keep: int = 3) -> None:
 
 
 async def fit_keeping_the_last(
-    trainer: asyncddp.Trainer, data: Iterable[Any], **fit_args: Any
+    trainer: asyncddp.Trainer, data: Iterable[Any], keep: int = 3, **fit_args: Any
 ) -> asyncddp.FitResult:
     async with asyncio.TaskGroup() as tg:
-        tg.create_task(keep_last(trainer))  # its stream opens here, before the fit
+        tg.create_task(keep_last(trainer, trainer.events(), keep))  # the stream opens now
         return await trainer.fit(data, **fit_args)
 
 
@@ -74,6 +81,8 @@ async def main() -> None:
     inputs = torch.randn(32, 4)
     data = [(inputs[i : i + 8], inputs[i : i + 8].sum(1, keepdim=True)) for i in range(0, 32, 8)]
     with tempfile.TemporaryDirectory() as folder:
+        best = Path(folder) / "epoch0002-step000008-best.ckpt"  # a file of the user's: kept
+        await asyncio.to_thread(best.write_bytes, b"")
         # A first run of 4 epochs, then a run resumed from it to 7 (as after a preemption).
         await fit_keeping_the_last(make_trainer(folder), data, epochs=4)
         resumed = make_trainer(folder)

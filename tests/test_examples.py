@@ -52,7 +52,8 @@ def test_keep_last_keeps_the_newest_checkpoints_across_fits_and_resumes() -> Non
     # twice (save_checkpoint() at an epoch's end) made it delete a file twice, and raise.
     out = run_example("examples/keep_last.py")
     assert out.strip() == (
-        "kept: epoch0007-step000028.ckpt, epoch0008-step000032.ckpt, epoch0009-step000036.ckpt"
+        "kept: epoch0002-step000008-best.ckpt, epoch0007-step000028.ckpt, "
+        "epoch0008-step000032.ckpt, epoch0009-step000036.ckpt"
     )
 
 
