@@ -600,9 +600,10 @@ class Comm:
         marked = round(row[_MARKED]) == self.world_size
         if marked and self.world_size * row[_MARK_SQUARED] != row[_MARK] * row[_MARK]:
             assert self.data is not None  # this rank's mark was sent
-            name, (_, words) = self.data  # type: ignore[misc]
+            name, mark = self.data
+            assert mark is not None
             raise _disagreement(
-                f"the ranks were given different {name}: this rank's is {words}, and another "
+                f"the ranks were given different {name}: this rank's is {mark[1]}, and another "
                 "rank's differs. Give every rank the same data: asyncddp takes each rank's "
                 "part of it (batches rank, rank + world_size, ...), so parts that differ "
                 "would overlap or leave samples out"

@@ -237,30 +237,30 @@ class _Waiter:
     loop's thread directly, from any other thread through the loop (an ``anyio.Event`` may be
     set on its own loop's thread only), never waiting for that loop to run it."""
 
-    __slots__ = ("_loop", "_schedule", "_woken", "event")
+    __slots__ = ("_loop", "_woken", "event")
 
     def __init__(self) -> None:
         self.event = anyio.Event()
-        loop = running_loop()  # the asyncio loop, or trio's token for its run
-        self._loop = loop
+        self._loop: Any = running_loop()  # the asyncio loop, or trio's token for its run
         self._woken = False
-        self._schedule: Callable[[Callable[[], Any]], Any] = (
-            loop.call_soon_threadsafe
-            if isinstance(loop, asyncio.AbstractEventLoop)
-            else loop.run_sync_soon  # type: ignore[attr-defined]
-        )
 
     def wake(self) -> None:
         if self._woken:  # once: a loop stopped meanwhile would pile up a callback an event
             return
         self._woken = True
-        if running_loop() is self._loop:
+        loop = self._loop
+        if running_loop() is loop:
             self.event.set()
-        else:
-            # Another thread's loop, or one that has ended (its consumer left in it when it
-            # was closed): it has nobody left to wake then.
-            with contextlib.suppress(Exception):
-                self._schedule(self.event.set)
+            return
+        # Another thread's loop, or one that has ended (its consumer left in it when it was
+        # closed): it has nobody left to wake then.
+        schedule: Callable[[Callable[[], Any]], Any] = (
+            loop.call_soon_threadsafe
+            if isinstance(loop, asyncio.AbstractEventLoop)
+            else loop.run_sync_soon
+        )
+        with contextlib.suppress(Exception):
+            schedule(self.event.set)
 
 
 class EventHub:

@@ -147,9 +147,9 @@ def _resolve(future: asyncio.Future[None]) -> None:
 class _TrioWaker:
     __slots__ = ("_event", "_token", "_trio")
 
-    def __init__(self, trio: Any) -> None:
+    def __init__(self, trio: Any, token: Any) -> None:
         self._trio = trio
-        self._token = trio.lowlevel.current_trio_token()
+        self._token = token  # the run's, from running_loop
         self._event = trio.Event()
 
     def wake_threadsafe(self) -> None:
@@ -228,14 +228,10 @@ def current_waker() -> Waker:
     Raises:
         RuntimeError: Called outside a running asyncio or trio event loop.
     """
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        pass
-    else:
+    loop = running_loop()
+    if isinstance(loop, asyncio.AbstractEventLoop):
         # asyncio's loop.time() is time.monotonic(), the clock deadlines use.
         return _AsyncioWaker(loop)
-    trio = sys.modules.get("trio")
-    if trio is not None and trio.lowlevel.in_trio_run():
-        return _TrioWaker(trio)
+    if loop is not None:  # trio's token
+        return _TrioWaker(sys.modules["trio"], loop)
     raise RuntimeError("asyncddp needs a running asyncio or trio event loop (use 'await' in one)")

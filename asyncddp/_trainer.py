@@ -1092,8 +1092,9 @@ class Trainer(Resumable):
         """In a call's ``except``: end the call quietly if its own event loop does not run it,
         as when its coroutine, left pending in a loop that has ended since (a Ctrl-C out of
         ``run_until_complete``, then the loop closed or the script ended), is closed by the
-        garbage collector, with no loop or another one running. Its clean-up needs its loop
-        and fails; Python printed that failure ("Exception ignored in: <coroutine object
+        garbage collector with no loop running (with another loop running, a clean-up that
+        suspends before this point still fails the close). Its clean-up needs its loop and
+        fails; Python printed that failure ("Exception ignored in: <coroutine object
         Trainer.fit>": "asyncddp needs a running asyncio or trio event loop (use 'await' in
         one)"), which the user, who did await it, could do nothing with. The worker threads
         stop as their scheduler is collected."""
