@@ -99,7 +99,7 @@ def _unwritable(target: Path, error: BaseException) -> CheckpointError:
     reason = f"{type(error).__name__}: {error}"
     if isinstance(error, (FileExistsError, NotADirectoryError)):
         reason += " (a file where a folder of the path should be?)"
-    elif isinstance(error, RuntimeError) or getattr(error, "errno", None) in (
+    elif _a_failed_write(error) or getattr(error, "errno", None) in (
         errno.ENOSPC,
         errno.EFBIG,
         getattr(errno, "EDQUOT", errno.ENOSPC),  # not on every system
@@ -110,6 +110,14 @@ def _unwritable(target: Path, error: BaseException) -> CheckpointError:
         "before it is left as it was, and so is the training state: save it again once "
         "the cause is mended, or elsewhere"
     )
+
+
+def _a_failed_write(error: BaseException) -> bool:
+    """Whether ``error`` is torch's writer saying a write failed ("unexpected pos 64 vs 0",
+    "file write failed"), not some other RuntimeError of ``torch.save`` (a tensor it cannot
+    save), for which a full disk is no hint."""
+    message = str(error)
+    return isinstance(error, RuntimeError) and ("unexpected pos" in message or "write" in message)
 
 
 def _create_temporary(target: Path) -> tuple[int, str]:

@@ -701,16 +701,19 @@ def test_a_checkpoint_from_a_machine_with_more_gpus_restores_the_generators_of_t
 
 
 @pytest.mark.parametrize(
-    "failure",
+    ("failure", "a_full_disk"),
     [
         # A full disk as the file system says it, and as torch's writer does (the same
         # RuntimeError a file size limit gave in a trial): neither named the checkpoint.
-        OSError(28, "No space left on device"),
-        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"),
+        (OSError(28, "No space left on device"), True),
+        (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"), True),
+        (RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"), True),
+        # Another of torch.save's RuntimeErrors is named too, without the disk's hint.
+        (RuntimeError("Cannot save a tensor of this kind"), False),
     ],
 )
 async def test_a_checkpoint_that_cannot_be_written_is_a_checkpoint_error_naming_it(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, failure: Exception
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, failure: Exception, a_full_disk: bool
 ) -> None:
     trainer = make_trainer(2)
     await trainer.fit(batches(), epochs=1)
@@ -728,7 +731,7 @@ async def test_a_checkpoint_that_cannot_be_written_is_a_checkpoint_error_naming_
     with pytest.raises(CheckpointError, match=written) as raised:
         await trainer.save_checkpoint(target)
     assert raised.value.__cause__ is failure
-    assert "a full disk, a quota, or a limit on file sizes" in str(raised.value)
+    assert ("a full disk, a quota, or a limit on file sizes" in str(raised.value)) is a_full_disk
     assert target.read_bytes() == before  # the one there is left whole
     assert [p.name for p in tmp_path.iterdir()] == ["now.ckpt"]  # no temporary file left
     monkeypatch.setattr(torch, "save", save)
