@@ -212,9 +212,13 @@ class WorkerFailedError(AsyncDDPError):
     def __reduce__(self) -> tuple[Any, ...]:
         # Exceptions pickle through ``args`` by default, which would drop every field. The cause
         # is not pickled (it may hold tensors or unpicklable state); its type and message are.
-        notes = getattr(self, "__notes__", None)
-        state = {"__notes__": list(notes)} if notes else None
-        return (_restore, (type(self), self._fields()), state)
+        # What else the instance holds goes as a plain exception's would: its notes, and
+        # attributes a user's handler attached.
+        fields = self._fields()
+        state = {key: value for key, value in vars(self).items() if key not in fields}
+        if "__notes__" in state:
+            state["__notes__"] = list(state["__notes__"])
+        return (_restore, (type(self), fields), state or None)
 
     def __str__(self) -> str:
         if self.rank is None:

@@ -98,6 +98,10 @@ class JobQueuedError(WorkerFailedError):
             return step.finished[index] and not step.cancelled and not failed
 
 
+def _gone() -> None:
+    return None
+
+
 class _Step:
     """One step's shared state: written by the workers under ``lock``, read by the loop."""
 
@@ -115,6 +119,14 @@ class _Step:
         "unheard",
         "waker",
     )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Step:
+        # A copy of a JobQueuedError asks the same step whether its job ran.
+        return self
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # A JobQueuedError pickled elsewhere cannot ask (locks, jobs): its `ran` is unknown.
+        return (_gone, ())
 
     def __init__(self, size: int, waker: Waker) -> None:
         self.lock = threading.Lock()

@@ -57,7 +57,9 @@ class InjectedFailure(RuntimeError):
         self.step = step
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_injected, (str(self), self.device_index, self.step))
+        # Rebuilt from its fields, with what else it holds (its notes) as a plain exception's.
+        state = {k: v for k, v in vars(self).items() if k not in ("device_index", "step")}
+        return (_injected, (str(self), self.device_index, self.step), state or None)
 
 
 def _injected(message: str, device_index: int, step: int) -> InjectedFailure:

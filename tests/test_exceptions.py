@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import copy
 import pickle
 
 import pytest
 
 import asyncddp
+import asyncddp.testing
 from asyncddp import (
     AsyncDDPError,
     DeviceError,
@@ -120,6 +122,27 @@ def test_notes_survive_pickling() -> None:
     error.add_note("while training the digits model")
     copy = pickle.loads(pickle.dumps(error))
     assert copy.__notes__ == ["while training the digits model"]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        WorkerFailedError(device=CPU1, error_type="E", error_message="m"),
+        WorkerTimeoutError(timeout=0.5, device=CPU1),
+        asyncddp.testing.InjectedFailure("injected", device_index=1, step=3),
+    ],
+    ids=type,
+)
+def test_what_a_handler_attached_survives_pickling_and_copies(error: Exception) -> None:
+    # As a plain exception's would: a WorkerFailedError dropped the attributes a user's handler
+    # set, and InjectedFailure its notes too.
+    error.job_id = "abc"  # type: ignore[attr-defined]
+    error.add_note("seen on rank 0")
+    for twin in (pickle.loads(pickle.dumps(error)), copy.copy(error), copy.deepcopy(error)):
+        assert type(twin) is type(error)
+        assert str(twin) == str(error)
+        assert twin.job_id == "abc"  # type: ignore[attr-defined]
+        assert twin.__notes__ == ["seen on rank 0"]
 
 
 def test_warnings_tree() -> None:

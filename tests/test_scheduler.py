@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import copy
 import functools
 import gc
 import logging
@@ -805,6 +806,10 @@ async def test_a_shielded_step_after_a_failure_and_a_late_job_drops_no_job() -> 
         release.set()
     assert sorted(applied) == [0, 1]  # every device or none
     assert queued.value.ran()
+    # A copy asks the same step (it said False, "not run"); a pickled one cannot ask.
+    assert copy.copy(queued.value).ran()
+    assert copy.deepcopy(queued.value).ran()
+    assert not pickle.loads(pickle.dumps(queued.value)).ran()
 
 
 async def test_a_shielded_step_queued_behind_another_task_s_step_drops_no_job() -> None:
