@@ -2,4 +2,5 @@
 
 from ._cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # importing the module (a doc tool walking the package) runs nothing
+    raise SystemExit(main())

@@ -553,6 +553,7 @@ class Trainer(Resumable):
             await self._join("fit()")
             self._check_options()
             epochs = check_int("epochs", epochs, 1)  # NumPy's too: a sweep's from an array
+            check_path("resume", resume)
             state = await self._resume_state(resume) if resume is not None else None
             if resume is None:
                 await self._warn_if_checkpoints_ahead()
@@ -740,6 +741,7 @@ class Trainer(Resumable):
                 the cause is its ``__cause__``); a file there before is left whole.
         """
         self._refuse_other_loop("save_checkpoint()")
+        check_path("path", path)
         if path is None and self.checkpoint_dir is None:
             raise ConfigurationError(
                 "save_checkpoint() without a path writes into checkpoint_dir, and this "

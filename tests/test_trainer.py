@@ -2877,6 +2877,20 @@ def test_a_wrong_type_or_value_of_an_option_is_a_configuration_error_naming_it(
         Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), **{option: value})
 
 
+async def test_a_checkpoint_path_of_the_wrong_type_is_a_configuration_error_naming_it(
+    tmp_path: Any,
+) -> None:
+    # fit(resume=5) and save_checkpoint(5) raised pathlib's bare TypeError ("expected str,
+    # bytes or os.PathLike object, not int"), naming neither.
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), progress_bar=False)
+    with pytest.raises(ConfigurationError, match="resume must be a path"):
+        await trainer.fit(make_batches([4]), epochs=1, resume=5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="path must be a path"):
+        await trainer.save_checkpoint(5)  # type: ignore[arg-type]
+    await trainer.fit(make_batches([4]), epochs=1)  # the trainer still works
+    assert (await trainer.save_checkpoint(tmp_path / "a.ckpt")).exists()
+
+
 async def test_step_timeout_does_not_bound_building_the_replicas() -> None:
     # The first optimizer a process builds takes about a second (torch imports
     # torch._dynamo): an earlier version timed the build as a step and failed the first fit.
