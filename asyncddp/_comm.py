@@ -154,11 +154,9 @@ class Failure:
             "epoch": self.epoch,
             "phase": self.phase,
         }
-        error = (
-            NonFiniteLossError(loss=cause.loss, **fields)
-            if isinstance(cause, _NonFiniteLoss)
-            else WorkerFailedError(**fields)
-        )
+        if isinstance(cause, _NonFiniteLoss):
+            return NonFiniteLossError(loss=cause.loss, **fields)  # no cause, as on its rank
+        error = WorkerFailedError(**fields)
         error.__cause__ = cause if cause is not None else RemoteError(self)
         return error
 
@@ -215,7 +213,9 @@ def describe(error: BaseException, rank: int, device: Device, **where: Any) -> F
         device = error.device
         where = {"step": error.step, "epoch": error.epoch, "phase": error.phase}
         cause = error.__cause__ if error.__cause__ is not None else error
-        if cause is error and error.rank is None:  # a timeout: the error itself goes, named
+        if isinstance(error, NonFiniteLossError):  # raised without a cause: its loss goes
+            cause = _NonFiniteLoss(error.loss)
+        elif cause is error and error.rank is None:  # a timeout: the error itself goes, named
             cause = copy.copy(error)
             cause.rank = rank
         error_type, message = error.error_type, error.error_message

@@ -277,7 +277,7 @@ class NonFiniteLossError(WorkerFailedError):
 
     Raised before that device's backward pass (on a lone GPU, once the backward is queued:
     see the docs' concepts, "Workers"), and always before the optimizer step: the step changed
-    no parameter on any replica.
+    no parameter on any replica. ``__cause__`` is ``None``, on every rank.
 
     Attributes:
         loss: The loss value the device computed.

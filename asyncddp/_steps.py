@@ -302,7 +302,9 @@ class Steps:
                 )
                 self._publish_failure(nonfinite, "raise")
                 try:
-                    raise nonfinite from error.__cause__
+                    # No cause, as documented: the loss is the error's own field, and the
+                    # worker's private record of it only showed asyncddp's lines above it.
+                    raise nonfinite from None
                 finally:
                     del nonfinite  # this frame is in its traceback: no cycle through it
             failed = {error.device.name, *(f.device.name for f in error.other_failures)}

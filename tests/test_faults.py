@@ -510,6 +510,8 @@ async def test_a_non_finite_loss_names_its_device_and_step() -> None:
     assert info.value.device.name == "cpu#1"
     assert info.value.step == 4
     assert str(info.value).startswith("training worker on device cpu#1 failed: the loss is nan")
+    assert info.value.error_type == ""
+    assert info.value.__cause__ is None  # as documented (a private _NonFiniteLoss was)
     failed = [e async for e in stream if isinstance(e, asyncddp.WorkerFailed)]
     assert [(e.device, e.step, e.phase, e.action) for e in failed] == [
         ("cpu#1", 4, "train", "raise")
