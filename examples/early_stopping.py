@@ -42,12 +42,14 @@ async def main() -> None:
     for epoch in range(1, 101):
         result = await trainer.fit(train, epochs=epoch, valid_data=valid)  # one epoch more
         valid_loss = result.history[-1].valid_loss
+        assert valid_loss is not None  # None only for an epoch without valid_data
         print(f"epoch {epoch:2d}: valid loss {valid_loss:.4f}")
         if valid_loss < best:
             best, best_epoch = valid_loss, epoch
             best_weights = copy.deepcopy(trainer.model.state_dict())
         elif epoch - best_epoch == patience:
             break
+    assert best_weights is not None
     trainer.model.load_state_dict(best_weights)  # back to the best epoch's weights
     print(f"stopped after epoch {epoch}; kept epoch {best_epoch} (valid loss {best:.4f})")
 
