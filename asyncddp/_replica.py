@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn, TypeAlias, cast
 
+from typing_extensions import TypeVar
+
 import numpy as np
 import torch
 from torch import nn
@@ -41,11 +43,17 @@ __all__ = [
     "move_to",
 ]
 
-StepFunction: TypeAlias = Callable[[nn.Module, Any], torch.Tensor | Mapping[str, Any]]
+#: The class of a trainer's model (``Trainer[MyNet]``); a plain ``Trainer`` is a
+#: ``Trainer[nn.Module]``, and takes any trainer.
+M = TypeVar("M", bound=nn.Module, default=nn.Module, covariant=True)
+
+StepFunction: TypeAlias = Callable[[M, Any], torch.Tensor | Mapping[str, Any]]
 """What `Trainer` takes as ``step`` (and ``valid_step``): ``step(model, batch)``, called with a
 device's replica and its share of the batch, returns the loss (a scalar tensor, the mean over
 the share), or a mapping with ``"loss"``, optionally ``"items"`` (how many items the loss is the
-mean over) and further metrics."""
+mean over) and further metrics. ``StepFunction[MyNet]`` takes a ``MyNet`` (replicas are copies
+of the trainer's model, of its class), so a step may be annotated ``def step(model: MyNet,
+batch)``; a plain ``StepFunction`` takes any ``nn.Module``."""
 
 OptimizerFactory: TypeAlias = Callable[[Any], torch.optim.Optimizer]
 """What `Trainer` takes as ``optimizer``: called once per replica with the list of that

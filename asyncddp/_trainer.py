@@ -39,7 +39,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Generic, Literal, cast
 
 import anyio
 import torch
@@ -80,6 +80,7 @@ from ._precision import LossScaler, autocast_dtype
 from ._ranks import rank_items_total_off_loop
 from ._replica import (
     OptimizerFactory,
+    M,
     Replica,
     SchedulerFactory,
     StepFunction,
@@ -128,7 +129,7 @@ class FitResult:
     items_per_second: float = field(default=0.0)
 
 
-class Trainer(Resumable):
+class Trainer(Resumable, Generic[M]):
     """Data-parallel training on several devices, awaited from async code.
 
     The model is replicated onto every device; each step splits the batch across them, runs
@@ -215,12 +216,12 @@ class Trainer(Resumable):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: M,
         optimizer: OptimizerFactory,
-        step: StepFunction,
+        step: StepFunction[M],
         devices: DeviceSpec = "auto",
         *,
-        valid_step: StepFunction | None = None,
+        valid_step: StepFunction[M] | None = None,
         lr_scheduler: SchedulerFactory | None = None,
         lr_scheduler_interval: Literal["epoch", "step"] = "epoch",
         accumulate_grad_batches: int = 1,
@@ -238,13 +239,14 @@ class Trainer(Resumable):
         threads_per_worker: int | None = None,
         check_finite: bool = False,
     ) -> None:
-        if isinstance(model, type) and issubclass(model, nn.Module):
+        given: object = model  # as the types do not promise
+        if isinstance(given, type) and issubclass(given, nn.Module):
             raise ConfigurationError(
-                f"model must be a torch.nn.Module, got the class {model.__name__}: pass an "
-                f"instance, {model.__name__}(...)"
+                f"model must be a torch.nn.Module, got the class {given.__name__}: pass an "
+                f"instance, {given.__name__}(...)"
             )
-        if not isinstance(model, nn.Module):
-            raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(given, nn.Module):
+            raise ConfigurationError(f"model must be a torch.nn.Module, got {type(given).__name__}")
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigurationError(
                 f"{type(model).__name__} has no trainable parameters (none requires grad)"
@@ -306,8 +308,9 @@ class Trainer(Resumable):
         self._sparse_grads = has_sparse_gradients(model)
         self._optimizer_factory = optimizer
         self._scheduler_factory = lr_scheduler
-        self._step_fn = step
-        self._valid_step_fn = valid_step or step
+        # The jobs call them with replicas of the model, of its class M.
+        self._step_fn = cast(StepFunction, step)
+        self._valid_step_fn = cast(StepFunction, valid_step or step)
         self.lr_scheduler_interval = lr_scheduler_interval
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val = gradient_clip_val
@@ -401,7 +404,7 @@ class Trainer(Resumable):
     # -- public API -------------------------------------------------------------------------
 
     @property
-    def model(self) -> nn.Module:
+    def model(self) -> M:
         """The trained model: the module passed in, on the first device once a call moved it
         there (the other devices train copies of it).
 
@@ -410,7 +413,7 @@ class Trainer(Resumable):
         devices as it starts. Its set of parameters, modules and buffers stays as the first
         call built the replicas (see docs/training.md).
         """
-        return self._replicas[0].model if self._replicas else self._source
+        return cast(M, self._replicas[0].model if self._replicas else self._source)
 
     def events(self, maxlen: int = 1000) -> EventStream:
         """A stream of this trainer's events: ``async for event in trainer.events()``.

@@ -41,6 +41,10 @@ __all__ = [
 
 S = TypeVar("S")
 T = TypeVar("T")
+# A trainer's step, ``step(model, batch) -> output``, kept by the wrappers as they took it.
+_Model = TypeVar("_Model")
+_Batch = TypeVar("_Batch")
+_Output = TypeVar("_Output")
 
 
 class InjectedFailure(RuntimeError):
@@ -259,14 +263,14 @@ class _FailInBackward(torch.autograd.Function):
 
 
 def failing_step(
-    step: Callable[[Any, Any], Any],
+    step: Callable[[_Model, _Batch], _Output],
     *,
     device: int | str,
     at: int | None = None,
     where: Literal["forward", "backward", "metric"] = "forward",
     error: BaseException | type[BaseException] | None = None,
     times: int | None = None,
-) -> Callable[[Any, Any], Any]:
+) -> Callable[[_Model, _Batch], _Output]:
     """Wrap a trainer's ``step(model, batch)`` so that it fails on one device.
 
     Args:
@@ -299,7 +303,7 @@ def failing_step(
     _check_error(error)
     budget = _Budget(times)
 
-    def failing(model: Any, batch: Any) -> Any:
+    def failing(model: _Model, batch: _Batch) -> Any:
         ctx = _here(device, at)
         if ctx is None or not budget.take():
             return step(model, batch)
@@ -322,14 +326,14 @@ def failing_step(
 
 
 def hanging_step(
-    step: Callable[[Any, Any], Any],
+    step: Callable[[_Model, _Batch], _Output],
     *,
     device: int | str,
     release: threading.Event,
     at: int | None = None,
     limit: float | None = 60.0,
     times: int | None = None,
-) -> Callable[[Any, Any], Any]:
+) -> Callable[[_Model, _Batch], _Output]:
     """Wrap a trainer's step so that it blocks on one device until ``release`` is set.
 
     It blocks for ``limit`` seconds at most, so that a test that forgets to release it ends.
@@ -347,7 +351,7 @@ def hanging_step(
     seconds = _check_hang(release, limit)
     budget = _Budget(times)
 
-    def hanging(model: Any, batch: Any) -> Any:
+    def hanging(model: _Model, batch: _Batch) -> _Output:
         if _here(device, at) is not None and budget.take():
             release.wait(seconds)
         return step(model, batch)
