@@ -9,13 +9,18 @@ steps in a row.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import torch
 
 from ._exceptions import ConfigurationError
 
-__all__ = ["LossScaler", "autocast_dtype"]
+__all__ = ["LossScaler", "Precision", "autocast_dtype"]
+
+#: What `Trainer` takes as ``precision`` (Lightning's names and numbers too).
+Precision: TypeAlias = Literal[
+    "32", "32-true", "bf16", "bf16-mixed", "16", "16-mixed", "fp16", 16, 32
+]
 
 _PRECISIONS: dict[str, torch.dtype | None] = {
     "32": None,
@@ -28,7 +33,7 @@ _PRECISIONS: dict[str, torch.dtype | None] = {
 }
 
 
-def autocast_dtype(precision: str) -> torch.dtype | None:
+def autocast_dtype(precision: Precision | str) -> torch.dtype | None:
     """The autocast dtype for a precision name (Lightning's names work too); None for fp32."""
     try:
         return _PRECISIONS[str(precision)]

@@ -15,11 +15,10 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn, TypeAlias, cast
 
-from typing_extensions import TypeVar
-
 import numpy as np
 import torch
 from torch import nn
+from typing_extensions import TypeVar
 
 from ._checks import warn_user
 from ._devices import Device

@@ -28,7 +28,7 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -121,9 +121,9 @@ class Steps:
     gradient_clip_val: float | None
     split_batches: bool
     atomic_steps: bool
-    on_failure: str
+    on_failure: Literal["raise", "retry", "drop"]
     max_retries: int
-    lr_scheduler_interval: str
+    lr_scheduler_interval: Literal["epoch", "step"]
     step_timeout: float | None
     global_step: int
     _replicas: list[Replica]

@@ -39,7 +39,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, Literal, cast
+from typing import Any, Generic, Literal, Never, cast
 
 import anyio
 import torch
@@ -76,11 +76,11 @@ from ._exceptions import (
 from ._jobs import Jobs, Sums, load_into, to_cpu
 from ._loader import Prefetcher
 from ._loop import loop_ended, running_loop
-from ._precision import LossScaler, autocast_dtype
+from ._precision import LossScaler, Precision, autocast_dtype
 from ._ranks import rank_items_total_off_loop
 from ._replica import (
-    OptimizerFactory,
     M,
+    OptimizerFactory,
     Replica,
     SchedulerFactory,
     StepFunction,
@@ -166,7 +166,8 @@ class Trainer(Resumable, Generic[M]):
         gradient_clip_val: Clip the gradients to this global L2 norm (over the averaged
             gradients, as DDP would), or ``None``.
         precision: ``"32"``, ``"bf16"`` (bf16 autocast) or ``"fp16"`` (fp16 autocast with
-            dynamic loss scaling); also Lightning's ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``.
+            dynamic loss scaling); also Lightning's ``"32-true"``, ``"bf16-mixed"``,
+            ``"16-mixed"``, ``"16"``, ``16`` and ``32``.
         split_batches: ``True`` splits every batch along dim 0 across the devices; ``False``
             gives each device whole batches of its own (``len(devices)`` batches per step).
         step_timeout: Seconds a device may take for one job; see `StepScheduler`. The
@@ -214,6 +215,8 @@ class Trainer(Resumable, Generic[M]):
         history: An `EpochRecord` per completed epoch, over every ``fit``.
     """
 
+    _checkpoint_dir: object  # as assigned; a Path or None once checked (see checkpoint_dir)
+
     def __init__(
         self,
         model: M,
@@ -226,7 +229,7 @@ class Trainer(Resumable, Generic[M]):
         lr_scheduler_interval: Literal["epoch", "step"] = "epoch",
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
-        precision: str = "32",
+        precision: Precision = "32",
         split_batches: bool = True,
         step_timeout: float | None = None,
         on_failure: Literal["raise", "retry", "drop"] = "raise",
@@ -319,7 +322,7 @@ class Trainer(Resumable, Generic[M]):
         self.on_failure = on_failure
         self.max_retries = max_retries
         self.atomic_steps = atomic_steps
-        self.checkpoint_dir = checkpoint_dir  # type: ignore[assignment]  # a Path once checked
+        self.checkpoint_dir = checkpoint_dir
         self.progress_bar = progress_bar
         on_gpus = any(d.is_cuda for d in self.devices)
         if pin_memory and not on_gpus:
@@ -988,12 +991,12 @@ class Trainer(Resumable, Generic[M]):
         self._queued_undos.clear()
 
     @property
-    def precision(self) -> str:
+    def precision(self) -> Precision:
         """The precision the Trainer was built with (``"32"``, ``"bf16"``, ``"fp16"``...)."""
         return self._precision
 
     @precision.setter
-    def precision(self, value: str) -> None:
+    def precision(self, value: Never) -> None:  # so that type checkers refuse it too
         raise AttributeError(
             f"precision is fixed as the Trainer is built (autocast and the loss scaler are set "
             f"up then): make a new Trainer(..., precision={value!r}) and give it this one's "
@@ -1027,9 +1030,24 @@ class Trainer(Resumable, Generic[M]):
         self.check_finite = check_bool("check_finite", self.check_finite)
         self.progress_bar = check_bool("progress_bar", self.progress_bar, none=True)
         self.pin_memory = check_bool("pin_memory", self.pin_memory)
-        check_path("checkpoint_dir", self.checkpoint_dir)
-        if self.checkpoint_dir is not None:
-            self.checkpoint_dir = Path(self.checkpoint_dir).expanduser()
+        check_path("checkpoint_dir", self._checkpoint_dir)
+        if self._checkpoint_dir is not None:
+            self._checkpoint_dir = Path(cast(str, self._checkpoint_dir)).expanduser()
+
+    @property
+    def checkpoint_dir(self) -> Path | None:
+        """Where ``fit`` writes a checkpoint after every epoch (``None``: nowhere); assign a
+        path (a ``str`` too) or ``None`` between calls."""
+        return cast(Path | None, self._checkpoint_dir)
+
+    @checkpoint_dir.setter
+    def checkpoint_dir(self, value: str | os.PathLike[str] | None) -> None:
+        # A path is made a Path at once; anything else is kept as given and refused as the
+        # trainer is built or the next call starts, as other options assigned between calls.
+        if isinstance(value, (str, os.PathLike)):
+            self._checkpoint_dir = Path(value).expanduser()
+        else:
+            self._checkpoint_dir = value
 
     def _begin_call(self, call: str) -> None:
         """Note ``call`` (``"fit()"``, ``"validate()"``) as running on this trainer, from its

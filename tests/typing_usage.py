@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, assert_type
 
 import torch
@@ -59,7 +60,17 @@ async def main() -> None:
     result = await trainer.fit([torch.randn(8, 4)], epochs=1)
     assert_type(result.history[-1].valid_loss, float | None)
 
+    # Options assigned between calls, as training.md shows.
+    trainer.checkpoint_dir = "runs/b"  # a str, as Trainer(checkpoint_dir=...) takes
+    assert_type(trainer.checkpoint_dir, Path | None)
+    trainer.on_failure = "retry"
+    asyncddp.Trainer(Net(), sgd, step, precision="bf16-mixed")
+
     # Mistakes mypy catches:
+    trainer.precision = "bf16"  # type: ignore[assignment]  # fixed as the trainer is built
+    trainer.on_failure = "skip"  # type: ignore[assignment]
+    trainer.lr_scheduler_interval = "batch"  # type: ignore[assignment]
+    asyncddp.Trainer(Net(), sgd, step, precision="fp8")  # type: ignore[arg-type]
     asyncddp.Trainer(nn.Linear(4, 1), sgd, step)  # type: ignore[arg-type]  # a Net's step
     asyncddp.Trainer(Net(), step, sgd)  # type: ignore[arg-type]  # the two swapped
     asyncddp.Trainer(Net(), sgd, step, on_failure="skip")  # type: ignore[arg-type]
