@@ -32,6 +32,7 @@ every scratch chunk into each replica's buffer (peers read scratch buffers, neve
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -457,8 +458,11 @@ class _Saved:
     tensors: _Copy
     groups: list[dict[str, Any]]
     scheduler: dict[str, Any] | None
-    # A capture in parts (see StepBackup.capture): every part's backup, this one's included.
-    peers: Sequence[StepBackup] = ()
+    # A capture in parts (see StepBackup.capture): every part's backup, this one's included,
+    # held weakly: held so, the backups of a step's replicas kept each other in a cycle that
+    # outlived their trainer until the cycle collector ran (GBs of copies in a sweep of
+    # trainers). The trainer holds every replica's backup while it may restore one.
+    peers: tuple[weakref.ref[StepBackup], ...] = ()
 
 
 class StepBackup:
@@ -528,11 +532,16 @@ class StepBackup:
             self._spare.sources = []
         groups = [group_settings(group) for group in optimizer.param_groups]
         self._saved = _Saved(
-            tensors, groups, scheduler.state_dict() if scheduler is not None else None, peers
+            tensors,
+            groups,
+            scheduler.state_dict() if scheduler is not None else None,
+            tuple(map(weakref.ref, peers)),
         )
 
     @staticmethod
-    def _restore_parts(peers: Sequence[StepBackup], targets: list[torch.Tensor]) -> None:
+    def _restore_parts(
+        refs: Sequence[weakref.ref[StepBackup]], targets: list[torch.Tensor]
+    ) -> None:
         """Fill ``targets`` from a backup in parts: each part from the peer that copied it.
         A target laid out otherwise than contiguously is filled through a contiguous buffer
         (parts are slices in row-major order, see `_copy_part`)."""
@@ -540,9 +549,11 @@ class StepBackup:
             t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
             for t in targets
         ]
-        for index, peer in enumerate(peers):
+        for index, ref in enumerate(refs):
+            peer = ref()
+            assert peer is not None, "a backup in parts restored after a peer's replica went"
             assert peer._saved is not None, "a backup in parts restored before its capture"
-            _copy_part(flat, _saved_tensors(peer._saved.tensors), (index, len(peers)))
+            _copy_part(flat, _saved_tensors(peer._saved.tensors), (index, len(refs)))
         for target, buffer in zip(targets, flat, strict=True):
             if buffer is not target:
                 target.copy_(buffer)
