@@ -17,7 +17,8 @@ the interpreter finalizes, waits until none is busy: `EXIT_WAIT` seconds at most
 (``ASYNCDDP_EXIT_WAIT`` chooses, ``0`` waits not at all), with a warning on the ``asyncddp``
 logger that names them. Ctrl-C ends the wait at once. A thread blocked in a Python lock (a
 ``queue.Queue.get``, an ``Event.wait``: a live feed's generator, say) is not waited for: it is
-in the lock's C code, not in torch's, and stays there as the interpreter finalizes.
+in the lock's C code, not in torch's, and stays there as the interpreter finalizes; but a
+worker waiting for the other devices of its step is, as their arrival releases it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ EXIT_WAIT_VARIABLE = "ASYNCDDP_EXIT_WAIT"
 
 #: Where the innermost frame of a thread waiting in a Python lock is.
 _LOCK_WAITS = frozenset({threading.__file__, queue.__file__})
+
+#: asyncddp's own meeting of a step's devices (`_jobs.Meeting`): a worker waiting there is in
+#: a step, released as the other devices arrive, and goes back into torch's ops then.
+_MEETING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_jobs.py")
 
 _lock = threading.Lock()
 #: Each thread watched, and what tells whether it is busy (None: while it lives).
@@ -107,8 +112,17 @@ def exit_wait() -> float:
 
 
 def _in_a_lock(thread: threading.Thread) -> bool:
+    """Whether ``thread`` waits in a Python lock that nothing of asyncddp's will release: not
+    at the meeting of a step's devices (skipped as in a lock, a worker there was released
+    by the other's arrival as the interpreter finalized, and the process aborted)."""
     frame = sys._current_frames().get(thread.ident or 0)
-    return frame is not None and frame.f_code.co_filename in _LOCK_WAITS
+    if frame is None or frame.f_code.co_filename not in _LOCK_WAITS:
+        return False
+    while frame is not None:
+        if os.path.abspath(frame.f_code.co_filename) == _MEETING:
+            return False
+        frame = frame.f_back
+    return True
 
 
 def _busy(watched: dict[threading.Thread, Callable[[], bool] | None]) -> list[threading.Thread]:
