@@ -72,7 +72,8 @@ async def report_epochs(events: asyncddp.EventStream) -> None:
             print(
                 f"epoch {event.epoch + 1:2d}: train loss {train_loss:.4f}, "
                 f"valid loss {event.metrics['loss']:.4f}, "
-                f"valid accuracy {event.metrics['accuracy']:.2%}"
+                f"valid accuracy {event.metrics['accuracy']:.2%}",
+                flush=True,  # at once into a pipe too (a container's log), not at exit
             )
 
 
@@ -84,7 +85,8 @@ async def main(
 ) -> asyncddp.FitResult:
     """Train and print a line per epoch and a summary; returns the fit's result."""
     torch.manual_seed(0)
-    train_loader, valid_loader = digits_loaders(batch_size)
+    # Off the event loop: importing scikit-learn and loading the digits takes a second or two.
+    train_loader, valid_loader = await asyncio.to_thread(digits_loaders, batch_size)
     trainer = asyncddp.Trainer(
         make_model(),
         functools.partial(torch.optim.AdamW, lr=3e-3),
@@ -95,7 +97,7 @@ async def main(
     )
     names = ", ".join(device.name for device in trainer.devices)
     digits = len(train_loader.dataset)  # type: ignore[arg-type]
-    print(f"training on {names}: {digits} digits, batch size {batch_size}")
+    print(f"training on {names}: {digits} digits, batch size {batch_size}", flush=True)
     # A line per epoch as it ends, from the trainer's events, read by a task of its own
     # while the fit runs (the stream ends after the fit's FitEnded).
     reporter = asyncio.create_task(report_epochs(trainer.events()))

@@ -39,6 +39,25 @@ def test_demo_reaches_over_90_percent_on_two_cpu_workers_and_summarises() -> Non
     assert accuracy > 90.0
 
 
+def test_demo_lines_reach_a_pipe_as_each_epoch_ends() -> None:
+    # Into a pipe (a container's log), stdout is block-buffered: every line came at once at
+    # exit, and none if the process was killed first (an operations trial's SIGTERM after
+    # 15 s). Flushed, the first line comes before the training, the last after it.
+    import os
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    command = [sys.executable, "-m", "asyncddp", "demo", "--epochs", "5", "--devices", "2"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env) as demo:
+        assert demo.stdout is not None
+        arrived = [(time.monotonic(), line) for line in demo.stdout]
+    assert demo.returncode == 0
+    assert arrived[0][1].startswith("training on cpu#0, cpu#1")
+    assert arrived[-1][1].startswith("done: 2 devices")
+    # Five epochs of training lie between them (seconds); unflushed, both came in one write.
+    assert arrived[-1][0] - arrived[0][0] > 0.2, arrived
+
+
 def test_demo_on_one_device_says_device(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
