@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="show a progress bar (default: when the output is a terminal)",
+        help="show a progress bar (default: when stderr is a terminal)",
     )
     show = commands.add_parser("devices", help="show which devices a spec resolves to")
     show.add_argument("spec", nargs="?", default="auto", help=devices_help)

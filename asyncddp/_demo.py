@@ -5,7 +5,7 @@ Run:  asyncddp demo                         (every GPU, or 2 CPU workers without
       python -m asyncddp demo --help
 
 The digits ship with scikit-learn (nothing is downloaded). Each batch is split across the
-devices; the progress bar shows when the output is a terminal or a notebook. This file is also
+devices; the progress bar shows when stderr is a terminal or in a notebook. This file is also
 the example to read: it is what the docs show as the main job.
 """
 

@@ -653,9 +653,19 @@ _NO_BAR = _NoBar()
 
 
 def _interactive() -> bool:
-    if "ipykernel" in sys.modules:
-        return True
-    return bool(getattr(sys.stderr, "isatty", lambda: False)())
+    """Whether a bar is wanted by default: in a notebook (a running Jupyter kernel), or where
+    stderr, which tqdm writes, is a terminal."""
+    return _in_a_kernel() or bool(getattr(sys.stderr, "isatty", lambda: False)())
+
+
+def _in_a_kernel() -> bool:
+    """Whether this process is a running Jupyter kernel, not one that imported ipykernel (a
+    script did, and its log got the bar)."""
+    if "ipykernel" not in sys.modules:
+        return False
+    get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    shell = get_ipython() if callable(get_ipython) else None
+    return getattr(shell, "kernel", None) is not None
 
 
 def _format(metrics: Mapping[str, float]) -> str:

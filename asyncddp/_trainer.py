@@ -189,7 +189,7 @@ class Trainer(Resumable, Generic[M]):
             optimizer step then leaves the replicas unusable until ``load_state_dict``).
         checkpoint_dir: Where ``fit`` writes a checkpoint after every epoch; ``None`` for none.
         progress_bar: Show a progress bar (tqdm's, which also renders in notebooks); by default
-            when the output is a terminal or a notebook.
+            when stderr (where the bar goes) is a terminal, or in a notebook.
         pin_memory: Page-lock batches on the loader thread before they go to a GPU; by default
             when a device is a GPU. ``True`` with no GPU among the devices warns and does
             nothing.

@@ -6,6 +6,7 @@ import copy
 import functools
 import math
 import re
+import sys
 import threading
 import time
 import types
@@ -1916,6 +1917,23 @@ async def test_progress_bar_renders(capsys: pytest.CaptureFixture[str]) -> None:
     err = capsys.readouterr().err
     assert "epoch 1/1" in err
     assert "8/8" in err
+
+
+async def test_no_bar_by_default_into_a_log_though_ipykernel_was_imported(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A script that imported ipykernel (no kernel running) wrote the bar into its log: any
+    # ipykernel in sys.modules counted as a notebook.
+    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2))
+    await trainer.fit(make_batches([4, 4]), epochs=1)
+    assert "epoch 1/1" not in capsys.readouterr().err  # pytest's stderr is no terminal
+    # A running kernel has the bar (IPython's shell holds its kernel).
+    ipython = types.ModuleType("IPython")
+    ipython.get_ipython = lambda: types.SimpleNamespace(kernel=object())  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "IPython", ipython)
+    await trainer.fit(make_batches([4, 4]), epochs=2)
+    assert "epoch 2/2" in capsys.readouterr().err
 
 
 # -- checkpoints -------------------------------------------------------------------------------
