@@ -24,6 +24,7 @@ drops the failed devices and retries on the rest. No step is ever half-applied.
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections.abc import Sequence
@@ -68,6 +69,8 @@ from ._sync import clip_coefficient
 from ._worker import WorkerContext
 
 __all__ = ["DeviceDroppedWarning", "Steps", "Window"]
+
+_log = logging.getLogger("asyncddp")
 
 
 class DeviceDroppedWarning(AsyncDDPRuntimeWarning):
@@ -334,6 +337,16 @@ class Steps:
                 self._consistent = False
                 raise error
             window.restart(len(self.devices), self.split_batches)
+            if action == "retry":
+                # Else seen by an event stream only: an operator's log showed no sign of a
+                # device failing now and then, nor the failure's traceback.
+                _log.warning(
+                    "%s; retrying the step (retry %d of max_retries=%d)",
+                    error,
+                    attempt + 1,
+                    self.max_retries,
+                    exc_info=error.__cause__ or error,
+                )
             self._hub.publish(StepRetried(epoch, self.global_step, attempt + 1))
         finally:
             # The traceback of what this raises holds this frame: without the error in it,

@@ -1483,7 +1483,7 @@ async def test_a_failure_in_the_optimizer_step_is_undone_on_every_replica() -> N
     assert_close(trainer.model, expected)
 
 
-async def test_retry_policy_runs_the_step_again() -> None:
+async def test_retry_policy_runs_the_step_again(caplog: pytest.LogCaptureFixture) -> None:
     batches = make_batches([4] * 4)
     expected = reference(batches, 1, SGD)
     trainer = Trainer(
@@ -1502,6 +1502,16 @@ async def test_retry_policy_runs_the_step_again() -> None:
     kinds = [type(event).__name__ async for event in stream]
     assert "WorkerFailed" in kinds
     assert "StepRetried" in kinds
+    # The log says so too, with the original traceback (it said nothing of a retry).
+    [record] = [r for r in caplog.records if "retrying" in r.getMessage()]
+    assert record.name == "asyncddp"
+    assert record.levelname == "WARNING"
+    assert record.getMessage() == (
+        "training worker on device cpu#0 failed: ValueError: bad shard (epoch 0; step 1; phase "
+        "train); retrying the step (retry 1 of max_retries=2)"
+    )
+    assert record.exc_info is not None
+    assert record.exc_info[2] is not None
 
 
 async def test_batchnorm_on_a_one_item_shard_says_why_and_what_to_do() -> None:
