@@ -53,6 +53,7 @@ from ._exceptions import ShardError as ShardError
 from ._exceptions import StepOutputError as StepOutputError
 from ._exceptions import WorkerFailedError as WorkerFailedError
 from ._exceptions import WorkerTimeoutError as WorkerTimeoutError
+from ._precision import Precision as Precision
 from ._progress import Progress as Progress
 from ._progress import ProgressTracker as ProgressTracker
 from ._replica import OptimizerFactory as OptimizerFactory
@@ -94,6 +95,7 @@ __all__ = [
     "JobQueuedError",
     "NonFiniteLossError",
     "OptimizerFactory",
+    "Precision",
     "Progress",
     "ProgressTracker",
     "SchedulerClosedError",

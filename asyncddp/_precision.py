@@ -17,10 +17,12 @@ from ._exceptions import ConfigurationError
 
 __all__ = ["LossScaler", "Precision", "autocast_dtype"]
 
-#: What `Trainer` takes as ``precision`` (Lightning's names and numbers too).
 Precision: TypeAlias = Literal[
     "32", "32-true", "bf16", "bf16-mixed", "16", "16-mixed", "fp16", 16, 32
 ]
+"""What `Trainer` takes as ``precision``: ``"32"``, ``"bf16"``, ``"fp16"``, and Lightning's
+names and numbers. A setting read as a ``str`` (from a command line, a config file) is passed
+as ``cast(asyncddp.Precision, text)``; the Trainer refuses an unknown one as it is built."""
 
 _PRECISIONS: dict[str, torch.dtype | None] = {
     "32": None,

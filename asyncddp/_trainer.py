@@ -306,7 +306,7 @@ class Trainer(Resumable, Generic[M]):
             )
         self._autocast = autocast_dtype(precision)
         self._scaler = LossScaler() if self._autocast is torch.float16 else None
-        self._precision = precision
+        self._precision = str(precision)  # Lightning's numbers as their names, 16 as "16"
         self._source = model
         self._sparse_grads = has_sparse_gradients(model)
         self._optimizer_factory = optimizer
@@ -322,7 +322,8 @@ class Trainer(Resumable, Generic[M]):
         self.on_failure = on_failure
         self.max_retries = max_retries
         self.atomic_steps = atomic_steps
-        self.checkpoint_dir = checkpoint_dir
+        # Set past the property: a subclass's class attribute of that name would hide it.
+        self._checkpoint_dir = checkpoint_dir
         self.progress_bar = progress_bar
         on_gpus = any(d.is_cuda for d in self.devices)
         if pin_memory and not on_gpus:
@@ -991,7 +992,7 @@ class Trainer(Resumable, Generic[M]):
         self._queued_undos.clear()
 
     @property
-    def precision(self) -> Precision:
+    def precision(self) -> str:
         """The precision the Trainer was built with (``"32"``, ``"bf16"``, ``"fp16"``...)."""
         return self._precision
 

@@ -2919,6 +2919,18 @@ async def test_a_checkpoint_path_of_the_wrong_type_is_a_configuration_error_nami
     assert (await trainer.save_checkpoint(tmp_path / "a.ckpt")).exists()
 
 
+def test_a_subclass_may_name_checkpoint_dir_in_its_class_body(tmp_path: Any) -> None:
+    # A class attribute of that name hides the property: building one failed with an
+    # AttributeError ('_checkpoint_dir') once checkpoint_dir became a property.
+    class Mine(Trainer):
+        checkpoint_dir = None
+
+    mine = Mine(make_model(), SGD, loss_step, devices=cpu_devices(1), checkpoint_dir=tmp_path)
+    assert mine.precision == "32"
+    numbered = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), precision=16)
+    assert numbered.precision == "16"  # Lightning's number, as its name
+
+
 async def test_step_timeout_does_not_bound_building_the_replicas() -> None:
     # The first optimizer a process builds takes about a second (torch imports
     # torch._dynamo): an earlier version timed the build as a step and failed the first fit.
@@ -4447,7 +4459,7 @@ async def test_options_changed_between_calls_are_checked_as_the_next_call_starts
         setattr(trainer, name, good)
     assert trainer.global_step == 0
     monkeypatch.setenv("HOME", str(tmp_path))
-    trainer.checkpoint_dir = "~/checkpoints"  # type: ignore[assignment]
+    trainer.checkpoint_dir = "~/checkpoints"
     await trainer.fit(make_batches([4, 4]), epochs=1)
     assert trainer.checkpoint_dir == tmp_path / "checkpoints"
     assert [p.name for p in trainer.checkpoint_dir.iterdir()] == ["epoch0001-step000002.ckpt"]

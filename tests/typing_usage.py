@@ -8,7 +8,7 @@ import functools
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, assert_type
+from typing import Any, assert_type, cast
 
 import torch
 from torch import nn
@@ -65,6 +65,9 @@ async def main() -> None:
     assert_type(trainer.checkpoint_dir, Path | None)
     trainer.on_failure = "retry"
     asyncddp.Trainer(Net(), sgd, step, precision="bf16-mixed")
+    from_cli: str = "bf16"  # a setting read as text: cast to the public alias
+    asyncddp.Trainer(Net(), sgd, step, precision=cast(asyncddp.Precision, from_cli))
+    assert_type(trainer.precision, str)
 
     # Mistakes mypy catches:
     trainer.precision = "bf16"  # type: ignore[assignment]  # fixed as the trainer is built
