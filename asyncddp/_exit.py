@@ -112,28 +112,42 @@ def exit_wait() -> float:
 
 
 def _in_a_lock(thread: threading.Thread) -> bool:
-    """Whether ``thread`` waits in a Python lock that nothing of asyncddp's will release: not
-    at the meeting of a step's devices (skipped as in a lock, a worker there was released
-    by the other's arrival as the interpreter finalized, and the process aborted)."""
+    """Whether ``thread`` waits in a Python lock (its innermost frame is in one's code)."""
+    frame = sys._current_frames().get(thread.ident or 0)
+    return frame is not None and frame.f_code.co_filename in _LOCK_WAITS
+
+
+def _at_meeting(thread: threading.Thread) -> bool | None:
+    """For a thread waiting at the meeting of a step's devices (`_jobs.Meeting.wait`),
+    whether the meeting has released it already (it runs on into torch's ops); None for a
+    thread not waiting there."""
     frame = sys._current_frames().get(thread.ident or 0)
     if frame is None or frame.f_code.co_filename not in _LOCK_WAITS:
-        return False
+        return None
     while frame is not None:
-        if os.path.abspath(frame.f_code.co_filename) == _MEETING:
-            return False
+        if frame.f_code.co_name == "wait" and os.path.abspath(frame.f_code.co_filename) == _MEETING:
+            meeting, this = frame.f_locals.get("self"), frame.f_locals.get("this")
+            return getattr(meeting, "_round", this) != this or bool(getattr(meeting, "_left", 0))
         frame = frame.f_back
-    return True
+    return None
 
 
 def _busy(watched: dict[threading.Thread, Callable[[], bool] | None]) -> list[threading.Thread]:
-    """The threads of ``watched`` the exit must still wait for."""
-    busy = []
+    """The threads of ``watched`` the exit must still wait for: those in a job (by their
+    check) but not blocked in a Python lock; and a worker waiting for the other devices of
+    its step while another is still at work (whose arrival releases it into torch's ops: the
+    process aborted when it did so as the interpreter finalized), or once released. A worker
+    whose step's other devices all wait in locks (a hung step) is not waited for."""
+    running: list[threading.Thread] = []
+    meeting: list[threading.Thread] = []
     for thread, check in watched.items():
-        if not thread.is_alive() or _in_a_lock(thread):
+        if not thread.is_alive() or (check is not None and not check()):
             continue
-        if check is not None and not check():
+        released = _at_meeting(thread)
+        if released is None and _in_a_lock(thread):
             continue
-        busy.append(thread)
+        (running if released is None or released else meeting).append(thread)
+    busy = running + meeting if running else []
     return sorted(busy, key=lambda t: t.name)
 
 
