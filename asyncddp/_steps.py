@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import traceback
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -337,16 +338,20 @@ class Steps:
                 self._consistent = False
                 raise error
             window.restart(len(self.devices), self.split_batches)
-            if action == "retry":
+            if action == "retry" and _log.isEnabledFor(logging.WARNING):
                 # Else seen by an event stream only: an operator's log showed no sign of a
-                # device failing now and then, nor the failure's traceback.
+                # device failing now and then, nor the failure's traceback. As text, not the
+                # error or exc_info: a handler that keeps its records (pytest's, a
+                # MemoryHandler) would keep the failed step's tensors with them.
+                cause = error.__cause__ or error
                 _log.warning(
-                    "%s; retrying the step (retry %d of max_retries=%d)",
-                    error,
+                    "%s; retrying the step (retry %d of max_retries=%d)\n%s",
+                    str(error),
                     attempt + 1,
                     self.max_retries,
-                    exc_info=error.__cause__ or error,
+                    "".join(traceback.format_exception(cause)).rstrip(),
                 )
+                del cause
             self._hub.publish(StepRetried(epoch, self.global_step, attempt + 1))
         finally:
             # The traceback of what this raises holds this frame: without the error in it,
