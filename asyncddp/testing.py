@@ -227,13 +227,17 @@ def hang_on(
     return hanging
 
 
-def _here(device: int | str, step: int | None) -> WorkerContext | None:
-    """The running job's context if it is on ``device`` (index or name) at ``step``."""
+def _here(device: int | str, step: int | None, *, training: bool = False) -> WorkerContext | None:
+    """The running job's context if it is on ``device`` (index or name) at ``step``; with
+    ``training``, a given ``step`` matches training only: a trainer's step function also runs
+    in validation, whose jobs carry the number of the next optimizer step (``at=8`` fired in
+    the validation after step 7, where a backward fault never fires and no retry applies)."""
     ctx = current_worker()
     if ctx is None:
         return None
     on_device = ctx.device.index == device if isinstance(device, int) else ctx.device.name == device
-    return ctx if on_device and (step is None or ctx.step == step) else None
+    at_step = step is None or (ctx.step == step and not (training and ctx.phase == "valid"))
+    return ctx if on_device and at_step else None
 
 
 def _injected_failure(ctx: WorkerContext, where: str) -> InjectedFailure:
@@ -278,7 +282,9 @@ def failing_step(
         device: The device, by index (``1``) or name (``"cpu#1"``). An index is a position
             among the trainer's devices: after ``on_failure="drop"`` dropped one, another
             device's; a name stays with its device.
-        at: The optimizer step at which it fails; ``None`` fails at every step.
+        at: The optimizer step at which it fails, in training (the step function also runs
+            in validation, whose calls ``at`` does not match); ``None`` fails every call,
+            validation's too.
         where: ``"forward"`` raises before returning; ``"backward"`` returns a loss whose
             backward pass raises; ``"metric"`` raises while computing a metric, after the loss.
         error: What to raise: an exception (raised each time without the traceback of the
@@ -304,7 +310,7 @@ def failing_step(
     budget = _Budget(times)
 
     def failing(model: _Model, batch: _Batch) -> Any:
-        ctx = _here(device, at)
+        ctx = _here(device, at, training=True)
         if ctx is None or not budget.take():
             return step(model, batch)
         failure = _raised(error) if error is not None else _injected_failure(ctx, where)
@@ -352,7 +358,7 @@ def hanging_step(
     budget = _Budget(times)
 
     def hanging(model: _Model, batch: _Batch) -> _Output:
-        if _here(device, at) is not None and budget.take():
+        if _here(device, at, training=True) is not None and budget.take():
             release.wait(seconds)
         return step(model, batch)
 

@@ -10,6 +10,7 @@ import torch
 from asyncddp.testing import asyncddp_threads
 
 
+# --8<-- [start:warm_up]
 @pytest.fixture(scope="session", autouse=True)
 def torch_warmed_up() -> None:
     """Pay torch's one-time cost of the first optimizer (it imports torch._dynamo, ~1 s) before
@@ -18,10 +19,17 @@ def torch_warmed_up() -> None:
     torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
 
 
+# --8<-- [end:warm_up]
+
+
+# --8<-- [start:backends]
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     """Every async test runs under asyncio and under trio (through anyio's pytest plugin)."""
     return str(request.param)
+
+
+# --8<-- [end:backends]
 
 
 # --8<-- [start:no_leaked_worker_threads]

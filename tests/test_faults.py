@@ -522,6 +522,31 @@ async def test_a_non_finite_loss_names_its_device_and_step() -> None:
     TRIED.append("non-finite loss/middle/1 of 2")
 
 
+@pytest.mark.parametrize("where", ["forward", "backward"])
+async def test_failing_step_at_a_step_fails_that_training_step_not_the_validation_before_it(
+    where: str,
+) -> None:
+    # Validation runs the step function too (no valid_step), its jobs numbered as the next
+    # optimizer step: at=2 fired in the first epoch's validation, where a backward fault never
+    # fires (its times=1 used up, the retry this test was for never happened) and a forward
+    # fault raised whatever the policy.
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        failing_step(lambda m, b: step(m, b)["loss"], device=1, at=2, where=where, times=1),
+        devices=cpu_devices(2),
+        on_failure="retry",
+        progress_bar=False,
+    )
+    stream = trainer.events()
+    await trainer.fit(make_batches(2), epochs=2, valid_data=make_batches(1))
+    failed = [e async for e in stream if isinstance(e, asyncddp.WorkerFailed)]
+    assert [(e.device, e.step, e.phase, e.action) for e in failed] == [
+        ("cpu#1", 2, "train", "retry")
+    ]
+    assert trainer.global_step == 4
+
+
 @pytest.mark.parametrize("policy", ["raise", "retry", "drop"])
 async def test_a_device_that_fails_in_validation_raises_whatever_the_policy(policy: str) -> None:
     # The failure policy is for training steps; validation changes no state, and a failure in it
