@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from threading import BrokenBarrierError
-from types import AsyncGeneratorType, CoroutineType, TracebackType
+from types import AsyncGeneratorType, CoroutineType, GeneratorType, TracebackType
 from typing import Any, Generic, NoReturn, TypeVar, cast
 
 import anyio
@@ -205,20 +205,28 @@ def _execute(
         value = worker.invoke(state, context, fn, ctx, shard)
     except BaseException as exc:
         return False, exc
-    if isinstance(value, (CoroutineType, AsyncGeneratorType)):
+    if isinstance(value, (CoroutineType, AsyncGeneratorType, GeneratorType)):
         return False, _awaitable_returned(fn, value)
     return True, value
 
 
 def _awaitable_returned(fn: Callable[..., Any], value: Any) -> TypeError:
     """The error for a job that returned a coroutine or an async generator (a plain function
-    that called an ``async def`` without awaiting it): closed here, so that no "never
-    awaited" warning comes later, from wherever the collector happens to run."""
+    that called an ``async def`` without awaiting it), or a generator (a ``def`` with a
+    ``yield``, whose body would run wherever its output is read: on the event loop): closed
+    here, so that no "never awaited" warning comes later, from wherever the collector runs."""
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    if isinstance(value, GeneratorType):
+        value.close()
+        return TypeError(
+            f"the job {name} returned a generator, whose body runs only as it is read, on the "
+            "event loop: a job runs on each device's worker thread and must compute its "
+            "result there (return a list, not yield)"
+        )
     kind = "an async generator"
     if isinstance(value, CoroutineType):
         kind = "a coroutine"
         value.close()
-    name = getattr(fn, "__qualname__", None) or repr(fn)
     return TypeError(
         f"the job {name} returned {kind}, which nothing will await: a job runs on each "
         "device's worker thread, outside the event loop, so it must compute its result "

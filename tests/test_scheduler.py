@@ -266,6 +266,25 @@ async def test_a_job_that_returns_a_coroutine_fails_naming_it() -> None:
         assert (await scheduler.run(lambda ctx, shard: shard, [1, 2])).outputs == (1, 2)
 
 
+async def test_a_job_that_yields_fails_naming_it() -> None:
+    # A job with a yield returned a generator: its body ran as the caller read the outputs,
+    # on the event loop's thread, never on the workers.
+    ran_on: list[str] = []
+
+    def job(ctx: WorkerContext, shard: int) -> Any:
+        ran_on.append(threading.current_thread().name)
+        yield shard
+
+    async with StepScheduler(cpu_devices(2)) as scheduler:
+        with pytest.raises(WorkerFailedError) as caught:
+            await scheduler.run(job, [1, 2])
+        assert isinstance(caught.value.__cause__, TypeError)
+        assert "returned a generator, whose body runs only as it is read" in str(
+            caught.value.__cause__
+        )
+    assert ran_on == []  # closed unread
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_under_ipykernel_a_callback_queued_without_a_wake_up_runs_during_a_long_step(
     monkeypatch: pytest.MonkeyPatch,
