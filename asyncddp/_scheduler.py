@@ -700,7 +700,13 @@ class StepScheduler:
                 if late:
                     errors = self._late_errors(state, late, number, epoch, phase)
                     error.other_failures += tuple(errors)
-                    error.args = (str(error),)
+                # Jobs queued behind a hung one run later: named, as without the failure
+                # (the error said nothing of them, and half of an all-or-none step ran later).
+                queued_error = self._queued_error(state, busy, number, epoch, phase)
+                if queued_error is not None:
+                    error.other_failures += (queued_error, *queued_error.other_failures)
+                    queued_error.other_failures = ()
+                error.args = (str(error),)
             if cancellation is not None and isinstance(error, Exception):
                 cancellation.__cause__ = error
                 error = cancellation

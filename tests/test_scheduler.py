@@ -831,6 +831,40 @@ async def test_a_shielded_step_after_a_failure_and_a_late_job_drops_no_job() -> 
     assert not pickle.loads(pickle.dumps(queued.value)).ran()
 
 
+async def test_a_failed_shielded_step_names_the_job_it_left_queued_behind_a_hung_one() -> None:
+    # cpu#1 hung in an earlier step; a shielded step then failed on cpu#0, and its error said
+    # nothing of cpu#1's job, queued to run once the hung one returned (and it did run).
+    release, ran = threading.Event(), threading.Event()
+
+    def hang(ctx: WorkerContext, shard: None) -> None:
+        if ctx.device.index == 1:
+            release.wait(30)
+
+    def apply(ctx: WorkerContext, shard: None) -> None:
+        if ctx.device.index == 0:
+            raise ValueError("optimizer step failed")
+        ran.set()
+
+    try:
+        async with StepScheduler(cpu_devices(2), step_timeout=0.2) as scheduler:
+            with pytest.raises(WorkerTimeoutError):
+                await scheduler.run(hang, [None, None])
+            with pytest.raises(WorkerFailedError, match="optimizer step failed") as failed:
+                await scheduler.run(apply, [None, None], shield=True)
+            [queued] = failed.value.other_failures
+            assert isinstance(queued, JobQueuedError)
+            assert queued.device.name == "cpu#1"
+            assert "also failed: cpu#1" in str(failed.value)
+            assert not queued.ran()
+            release.set()
+            assert await anyio.to_thread.run_sync(ran.wait, 30)
+            with anyio.fail_after(30):  # the worker marks it finished once it returns
+                while not queued.ran():  # noqa: ASYNC110 (a worker thread marks it)
+                    await anyio.sleep(0.01)
+    finally:
+        release.set()
+
+
 async def test_a_shielded_step_queued_behind_another_task_s_step_drops_no_job() -> None:
     # Two tasks on one scheduler: B's shielded step waited behind A's slow job on cpu#1, and
     # its timeout dropped B's job there after cpu#0's had run.
