@@ -357,6 +357,8 @@ class StepScheduler:
         drain_timeout: After a failure or a cancellation, how many seconds to wait for the
             other devices' jobs that are already running, before raising anyway (they finish
             on their own; that device's next job waits for them). ``None`` waits for them.
+            After a failure, no longer than ``step_timeout`` allows the step: a job still
+            running then is named in the error's ``other_failures`` (`WorkerTimeoutError`).
         threads_per_worker: Intra-op threads for each CPU worker's ops. By default the
             caller's ``torch.get_num_threads()`` is shared out among the CPU workers (at least
             one each), so that several CPU workers use the same cores in all as one would,
@@ -689,11 +691,22 @@ class StepScheduler:
                 _call_on_cancel(on_cancel)
             error = timeout
         elif state.failures:
+            running: list[int] = []
             if not shield:
+                with state.lock:  # the jobs started: the cancel drops the others
+                    running = [i for i, started in self._late_locked(state) if started]
                 state.cancel()
                 _call_on_cancel(on_cancel)
-                cancellation = await self._drain(state, waker)
+                # No longer than step_timeout allows the step (a job still running past it
+                # was waited for drain_timeout, 10 s by default, and not named).
+                cancellation = await self._drain(state, waker, until=deadline)
             error = self._failure_error(state, number, epoch, phase)
+            past = deadline is not None and time.monotonic() >= deadline  # step_timeout's
+            with state.lock:
+                late = [(i, True) for i in running if past and not state.finished[i]]
+            if late and isinstance(error, WorkerFailedError):
+                error.other_failures += tuple(self._late_errors(state, late, number, epoch, phase))
+                error.args = (str(error),)
             if shield and isinstance(error, WorkerFailedError):
                 with state.lock:  # jobs still running past step_timeout: named too
                     late = [(i, on) for i, on in self._late_locked(state) if i not in busy]
@@ -778,9 +791,14 @@ class StepScheduler:
                 break
         return cancellation
 
-    async def _drain(self, state: _Step, waker: Waker) -> BaseException | None:
-        """Wait, shielded, for the step's running jobs; returns a cancellation that came."""
+    async def _drain(
+        self, state: _Step, waker: Waker, until: float | None = None
+    ) -> BaseException | None:
+        """Wait, shielded, for the step's running jobs, up to ``drain_timeout`` and no later
+        than ``until`` (a ``time.monotonic()``); returns a cancellation that came."""
         deadline = None if self.drain_timeout is None else time.monotonic() + self.drain_timeout
+        if until is not None:
+            deadline = until if deadline is None else min(deadline, until)
         cancellation: BaseException | None = None
         while not state.idle():
             try:

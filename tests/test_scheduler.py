@@ -1527,3 +1527,27 @@ def test_an_event_stream_in_a_plain_for_says_to_use_async_for() -> None:
     with pytest.raises(TypeError, match=r"read with 'async for event in stream:'"):
         for _ in trainer.events():  # type: ignore[attr-defined]
             pass
+
+
+async def test_after_a_failure_a_job_still_running_past_step_timeout_is_named_at_it() -> None:
+    # cpu#0 failed at once and cpu#1 hung: run() waited drain_timeout (30 s here, 10 s by
+    # default), sixty times step_timeout, and the error named cpu#0 alone.
+    release = threading.Event()
+
+    def job(ctx: WorkerContext, shard: None) -> None:
+        if ctx.device.index == 0:
+            raise ValueError("fails")
+        release.wait(30)
+
+    try:
+        async with StepScheduler(cpu_devices(2), step_timeout=0.5, drain_timeout=30) as scheduler:
+            started = time.monotonic()
+            with pytest.raises(WorkerFailedError, match="fails") as failed:
+                await scheduler.run(job, [None, None])
+            assert time.monotonic() - started < 10  # at step_timeout, not drain_timeout
+            [late] = failed.value.other_failures
+            assert isinstance(late, WorkerTimeoutError)
+            assert late.device.name == "cpu#1"
+            release.set()
+    finally:
+        release.set()
