@@ -1532,11 +1532,13 @@ def test_an_event_stream_in_a_plain_for_says_to_use_async_for() -> None:
 async def test_after_a_failure_a_job_still_running_past_step_timeout_is_named_at_it() -> None:
     # cpu#0 failed at once and cpu#1 hung: run() waited drain_timeout (30 s here, 10 s by
     # default), sixty times step_timeout, and the error named cpu#0 alone.
-    release = threading.Event()
+    release, hung = threading.Event(), threading.Event()
 
     def job(ctx: WorkerContext, shard: None) -> None:
         if ctx.device.index == 0:
+            hung.wait(30)  # fails once cpu#1's job runs (a job not started yet is dropped)
             raise ValueError("fails")
+        hung.set()
         release.wait(30)
 
     try:
