@@ -53,6 +53,9 @@ from ._worker import (
     new_threads_count,
 )
 
+#: How long `StepScheduler.start` waits at most for the CPU workers' thread counts to settle.
+_SETTLE_WAIT = 5.0
+
 _log = logging.getLogger("asyncddp")
 
 __all__ = ["JobQueuedError", "StepResult", "StepScheduler"]
@@ -458,6 +461,13 @@ class StepScheduler:
         except BaseException:
             _stop_all(started)
             raise
+        for worker in workers:
+            if worker.threads is not None:
+                # A few set_num_threads calls and a helper thread each, well under a
+                # millisecond: until they are done, torch's global count is a worker's share,
+                # and a thread started at once (a service's thread pool) kept it for good
+                # (7 of 30 such threads in a scheduler trial).
+                worker.threads_settled.wait(_SETTLE_WAIT)
         self._workers = workers
         self._closed = anyio.Event()
         self._state = "open"

@@ -235,6 +235,9 @@ class DeviceWorker:
         self._in_job = False  # in a job or the work it left for after it (see _exit)
         # torch's global thread count to put back once this worker has its own (see start).
         self._global_threads = global_threads
+        # Set once the worker's thread count is its own and the global is put back: until
+        # then, a thread that first asks for its count takes this worker's share.
+        self.threads_settled = threading.Event()
 
     @property
     def thread(self) -> threading.Thread:
@@ -334,7 +337,10 @@ class DeviceWorker:
         try:
             if self.threads is not None:
                 assert self._global_threads is not None  # read in start()
-                _set_own_threads(self.threads, self._global_threads)
+                try:
+                    _set_own_threads(self.threads, self._global_threads)
+                finally:
+                    self.threads_settled.set()
             if self.device.is_cuda:
                 # The current device and the current stream are both per-thread: set them once.
                 torch.cuda.set_device(self.device.torch_device)

@@ -1246,6 +1246,29 @@ async def test_cpu_workers_leave_the_thread_count_of_threads_started_later_alone
         torch.set_num_threads(callers)
 
 
+async def test_a_thread_started_as_the_scheduler_opens_has_the_callers_thread_count() -> None:
+    # Until each CPU worker had put torch's global count back, a thread that first asked for
+    # its count took a worker's share: a service's thread pool started at once kept 1 thread
+    # of 5 for good (7 of 30 opens in a scheduler trial).
+    def new_threads_count() -> int:
+        seen: list[int] = []
+        thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        return seen[0]
+
+    callers = torch.get_num_threads()
+    torch.set_num_threads(5)
+    try:
+        counts = []
+        for _ in range(30):
+            async with StepScheduler(cpu_devices(4), threads_per_worker=1):
+                counts.append(new_threads_count())
+        assert counts == [5] * 30
+    finally:
+        torch.set_num_threads(callers)
+
+
 async def test_a_worker_that_cannot_set_up_fails_its_jobs_instead_of_hanging(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
