@@ -703,9 +703,9 @@ class StepScheduler:
         elif state.failures:
             running: list[int] = []
             if not shield:
-                with state.lock:  # the jobs started: the cancel drops the others
+                with state.lock:  # the jobs started; the cancel drops the others at once
                     running = [i for i, started in self._late_locked(state) if started]
-                state.cancel()
+                    state.cancel_locked()
                 _call_on_cancel(on_cancel)
                 # No longer than step_timeout allows the step (a job still running past it
                 # was waited for drain_timeout, 10 s by default, and not named).
