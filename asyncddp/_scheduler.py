@@ -711,25 +711,24 @@ class StepScheduler:
                 # was waited for drain_timeout, 10 s by default, and not named).
                 cancellation = await self._drain(state, waker, until=deadline)
             error = self._failure_error(state, number, epoch, phase)
-            past = deadline is not None and time.monotonic() >= deadline  # step_timeout's
-            with state.lock:
-                late = [(i, True) for i in running if past and not state.finished[i]]
-            if late and isinstance(error, WorkerFailedError):
-                error.other_failures += tuple(self._late_errors(state, late, number, epoch, phase))
-                error.args = (str(error),)
-            if shield and isinstance(error, WorkerFailedError):
-                with state.lock:  # jobs still running past step_timeout: named too
-                    late = [(i, on) for i, on in self._late_locked(state) if i not in busy]
-                if late:
-                    errors = self._late_errors(state, late, number, epoch, phase)
-                    error.other_failures += tuple(errors)
+            if isinstance(error, WorkerFailedError):
+                # Jobs still running past step_timeout are named too.
+                past = deadline is not None and time.monotonic() >= deadline
+                with state.lock:
+                    if shield:
+                        late = [(i, on) for i, on in self._late_locked(state) if i not in busy]
+                    else:
+                        late = [(i, True) for i in running if past and not state.finished[i]]
+                others = self._late_errors(state, late, number, epoch, phase) if late else []
                 # Jobs queued behind a hung one run later: named, as without the failure
                 # (the error said nothing of them, and half of an all-or-none step ran later).
                 queued_error = self._queued_error(state, busy, number, epoch, phase)
                 if queued_error is not None:
-                    error.other_failures += (queued_error, *queued_error.other_failures)
+                    others += [queued_error, *queued_error.other_failures]
                     queued_error.other_failures = ()
-                error.args = (str(error),)
+                if others:
+                    error.other_failures += tuple(others)
+                    error.args = (str(error),)
             if cancellation is not None and isinstance(error, Exception):
                 cancellation.__cause__ = error
                 error = cancellation

@@ -106,6 +106,15 @@ _LAST_CALLER: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Trainer]] = (
 )
 
 
+def _as_path(value: object) -> object:
+    """A path (a ``str`` too) as a ``Path`` with ``~`` expanded; anything else as given, for
+    `Trainer._check_options` to refuse as the trainer is built or the next call starts, as
+    other options assigned between calls."""
+    if isinstance(value, (str, os.PathLike)):
+        return Path(value).expanduser()
+    return value
+
+
 @dataclass(frozen=True)
 class FitResult:
     """What ``fit`` did.
@@ -323,7 +332,7 @@ class Trainer(Resumable, Generic[M]):
         self.max_retries = max_retries
         self.atomic_steps = atomic_steps
         # Set past the property: a subclass's class attribute of that name would hide it.
-        self._checkpoint_dir = checkpoint_dir
+        self._checkpoint_dir = _as_path(checkpoint_dir)
         self.progress_bar = progress_bar
         on_gpus = any(d.is_cuda for d in self.devices)
         if pin_memory and not on_gpus:
@@ -1031,9 +1040,7 @@ class Trainer(Resumable, Generic[M]):
         self.check_finite = check_bool("check_finite", self.check_finite)
         self.progress_bar = check_bool("progress_bar", self.progress_bar, none=True)
         self.pin_memory = check_bool("pin_memory", self.pin_memory)
-        check_path("checkpoint_dir", self._checkpoint_dir)
-        if self._checkpoint_dir is not None:
-            self._checkpoint_dir = Path(cast(str, self._checkpoint_dir)).expanduser()
+        check_path("checkpoint_dir", self._checkpoint_dir)  # a path is a Path already
 
     @property
     def checkpoint_dir(self) -> Path | None:
@@ -1043,12 +1050,7 @@ class Trainer(Resumable, Generic[M]):
 
     @checkpoint_dir.setter
     def checkpoint_dir(self, value: str | os.PathLike[str] | None) -> None:
-        # A path is made a Path at once; anything else is kept as given and refused as the
-        # trainer is built or the next call starts, as other options assigned between calls.
-        if isinstance(value, (str, os.PathLike)):
-            self._checkpoint_dir = Path(value).expanduser()
-        else:
-            self._checkpoint_dir = value
+        self._checkpoint_dir = _as_path(value)
 
     def _begin_call(self, call: str) -> None:
         """Note ``call`` (``"fit()"``, ``"validate()"``) as running on this trainer, from its

@@ -1219,18 +1219,20 @@ async def test_cpu_workers_share_the_callers_threads() -> None:
             StepScheduler(cpu_devices(1), threads_per_worker=wrong)  # type: ignore[arg-type]
 
 
+def new_threads_count() -> int:
+    """The intra-op thread count of a thread started now."""
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
 async def test_cpu_workers_leave_the_thread_count_of_threads_started_later_alone() -> None:
     # torch keeps the count last set in a global that a new thread takes as its own: every
     # thread started after a fit (a thread pool's, an event loop's) ran with a worker's share.
     def threads(ctx: WorkerContext, shard: None) -> int:
         return torch.get_num_threads()
-
-    def new_threads_count() -> int:
-        seen: list[int] = []
-        thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
-        thread.start()
-        thread.join()
-        return seen[0]
 
     callers = torch.get_num_threads()
     torch.set_num_threads(5)
@@ -1250,13 +1252,6 @@ async def test_a_thread_started_as_the_scheduler_opens_has_the_callers_thread_co
     # Until each CPU worker had put torch's global count back, a thread that first asked for
     # its count took a worker's share: a service's thread pool started at once kept 1 thread
     # of 5 for good (7 of 30 opens in a scheduler trial).
-    def new_threads_count() -> int:
-        seen: list[int] = []
-        thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
-        thread.start()
-        thread.join()
-        return seen[0]
-
     callers = torch.get_num_threads()
     torch.set_num_threads(5)
     try:
