@@ -69,8 +69,7 @@ class ProgressTracker:
         start: Sequence[int] | None = None,
         steps: int = 0,
     ) -> None:
-        if num_devices < 1:
-            raise ConfigurationError(f"num_devices must be at least 1, got {num_devices}")
+        num_devices = check_int("num_devices", num_devices, 1)
         items_total = check_int("items_total", items_total, 0, none=True)
         if start is not None and (len(start) != num_devices or any(c < 0 for c in start)):
             raise ConfigurationError(

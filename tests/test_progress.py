@@ -61,6 +61,8 @@ def test_rejects_bad_counts() -> None:
     assert tracker.progress.items_processed == 0  # a rejected update changes nothing
     with pytest.raises(ValueError, match="num_devices"):
         ProgressTracker(0)
+    with pytest.raises(ValueError, match="num_devices must be an int >= 1, got '2'"):
+        ProgressTracker("2")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="items_total"):
         ProgressTracker(1, items_total=-1)
     with pytest.raises(ValueError, match="steps"):
