@@ -23,7 +23,7 @@ from ._comm import Comm, Global
 from ._data import holds_cuda, move_to
 from ._exceptions import StepOutputError
 from ._exceptions import _NonFiniteLoss as NonFiniteLoss
-from ._replica import Replica, StepFunction, loss_and_metrics, mirror
+from ._replica import Replica, StepFunction, loss_and_metrics, mirror, stray_gradient
 from ._sync import all_gather, all_reduce_chunk, clip_coefficient, reduce_scatter, scale_grads
 from ._worker import WorkerContext, after_job, leave_stream_running
 
@@ -351,13 +351,28 @@ class Jobs:
                 raise NonFiniteLoss(value)
         elif not self.check_finite:
             value = float(loss.detach())
+        stray = stray_gradient(self.replicas) if len(self.replicas) > 1 else None
         if replica.params and not any(replica.used) and loss.grad_fn is not None:
             # (A leaf loss, a constant that requires grad, comes from no model at all.)
             raise StepOutputError(
                 f"no parameter of the model given to the step on {ctx.device.name} got a "
                 "gradient: the loss was computed with another model. Use the step's model "
                 "argument, step(model, batch), not a model from outside the step (each device "
-                "trains its own replica)"
+                "trains its own replica), and see that the model keeps no function that refers "
+                "to its own modules or parameters (a lambda kept as an attribute, a hook made "
+                "by a lambda): each device's copy of the model would call the first one's"
+            )
+        if stray is not None:
+            owner, name = stray
+            raise StepOutputError(
+                f"the backward on {ctx.device.name} wrote a gradient into {owner.device.name}'s "
+                f"copy of the model (parameter {name!r}): the model keeps a function that "
+                "refers to its own modules or parameters (a lambda kept as an attribute, "
+                "self.act = lambda x: x * self.alpha; a hook made by a lambda that calls "
+                "other modules), and each device's copy of the model (copy.deepcopy) shares "
+                "that function, so it uses the first copy's parameters. Make it a method or a "
+                "module of its own (a method, bound to its module, is copied with it), or "
+                "pass what it needs as arguments"
             )
         replica.grads.attach()  # in case the step replaced a .grad
         items = work.items if counted is None else counted

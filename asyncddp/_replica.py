@@ -146,8 +146,10 @@ class Replica:
     def claim_gradients(self) -> int:
         """Take the calling thread (this replica's worker, in a job) as the one whose
         backwards count as this replica's own; returns how many gradients they have
-        accumulated into its parameters, ever (see `_UsedFlags`)."""
+        accumulated into its parameters, ever (see `_UsedFlags`). Forgets a gradient this
+        thread put into another replica before (see `stray_gradient`)."""
         self._used.thread = threading.get_ident()
+        _strays.param = None
         return self._used.marks
 
     @property
@@ -198,6 +200,30 @@ class Replica:
         return float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
 
 
+# Per worker thread: a parameter of another replica that this thread's backward accumulated a
+# gradient into, since the job's `Replica.claim_gradients` (see `stray_gradient`).
+_strays = threading.local()
+
+
+def stray_gradient(replicas: list[Replica]) -> tuple[Replica, str] | None:
+    """The replica, and the name of its parameter, that the calling worker's backward (in
+    this job) accumulated a gradient into though it is not the worker's own; ``None`` when
+    there is none. A model that keeps a function referring to its own parameters or modules
+    (``self.act = lambda x: x * self.alpha``; a hook made by a lambda that calls other
+    modules) shares that function with its copies, which ``copy.deepcopy`` does not copy: every
+    device's forward then uses the first replica's parameters there, and its backward writes
+    into that replica's gradients from another thread, racing its own step."""
+    param = getattr(_strays, "param", None)
+    if param is None:
+        return None
+    _strays.param = None
+    for replica in replicas:
+        for name, mine in replica.model.named_parameters(remove_duplicate=False):
+            if mine is param:
+                return replica, name
+    return None
+
+
 class _UsedFlags:
     """Which parameters of a replica got a gradient since its window opened."""
 
@@ -216,6 +242,8 @@ class _UsedFlags:
         self.flags[index] = True
         if threading.get_ident() == self.thread or current_worker() is None:
             self.marks += 1
+        else:  # another worker's backward reached this replica (see `stray_gradient`)
+            _strays.param = param
 
 
 class BufferSlots:

@@ -2508,6 +2508,61 @@ async def test_a_step_that_trains_a_model_from_outside_it_is_a_clear_error(
         assert torch.equal(param, old)
 
 
+class _ScaledBySelf(nn.Module):
+    """Keeps a lambda that closes over the module itself (research code does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_model()
+        self.alpha = nn.Parameter(torch.ones(3))
+        self.scale = lambda logits: logits * self.alpha
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.scale(self.body(inputs))  # type: ignore[no-any-return]
+
+
+def _with_adapter_hook() -> nn.Module:
+    """An adapter added by a forward hook made by a lambda that calls another module."""
+    model = _WithAdapter()
+    adapter = model.adapter
+    model.body.register_forward_hook(lambda module, args, out: out + adapter(args[0]))
+    return model
+
+
+class _WithAdapter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_model()
+        self.adapter = nn.Linear(FEATURES, 3)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.body(inputs)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("build", "parameter"), [(_ScaledBySelf, "'alpha'"), (_with_adapter_hook, "'adapter")]
+)
+async def test_a_model_keeping_a_function_over_its_own_parameters_is_a_clear_error(
+    build: Callable[[], nn.Module], parameter: str
+) -> None:
+    # copy.deepcopy shares functions with the copy: every device's forward ran the first
+    # replica's parameters there, and its backward wrote into that replica's gradients from
+    # another thread, racing the first device's own step: silently wrong parameters, different
+    # each run (off by 0.06 to 0.59 from a plain loop in a user's trial), no error.
+    trainer = Trainer(build(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    message = rf"backward on cpu#1 wrote a gradient into cpu#0's copy .*parameter {parameter}"
+    with pytest.raises(StepOutputError, match=message):
+        await trainer.fit(make_batches([8, 8]), epochs=1)
+    assert trainer.global_step == 0
+    for param, old in zip(trainer.model.parameters(), before, strict=True):
+        assert torch.equal(param, old)
+    # On one device there is nothing to share, and it trains.
+    alone = Trainer(build(), SGD, loss_step, devices="cpu", progress_bar=False)
+    await alone.fit(make_batches([8, 8]), epochs=1)
+    assert alone.global_step == 2
+
+
 async def async_batches() -> Any:
     for batch in make_batches([4]):
         yield batch
