@@ -82,7 +82,7 @@ from .distributed import _run_id
 __all__ = ["Comm", "Failure", "Global", "PeerFailed", "RankLost"]
 
 # Exchange kinds.
-STEP, VALIDATION, STOP_CHECK, FIT_END, SETUP, MODEL = 1, 2, 3, 4, 5, 6
+STEP, VALIDATION, STOP_CHECK, FIT_END, SETUP, MODEL, RESUME = 1, 2, 3, 4, 5, 6, 7
 _EXCHANGES = {
     STEP: "a training step (fit)",
     VALIDATION: "the end of a validation (validate, or fit's valid_data)",
@@ -90,6 +90,7 @@ _EXCHANGES = {
     FIT_END: "the end of fit",
     SETUP: "a trainer's first call",
     MODEL: "taking rank 0's model (a call's start)",
+    RESUME: "taking the checkpoint of fit(resume=...) from rank 0",
 }
 _KIND, _ITEMS, _LOSS, _ACTIVE, _FAILED, _STOP, _NEW, _BUCKETS, _COUNTED, _TRAINER = range(10)
 # The data's mark (see `Comm.data`): how many ranks know theirs, its sum, its squares' sum.
@@ -590,10 +591,17 @@ class Comm:
                 if self.world_size == 2 and other in _EXCHANGES
                 else "another rank elsewhere"
             )
+            resume = RESUME in (kind, other) and self.world_size == 2
             raise _disagreement(
                 f"the ranks are out of step: this rank is at {_EXCHANGES[kind]}, {there}; "
                 "every rank must make the same calls on its trainer (fit, validate), in the "
                 "same order and with the same arguments"
+                + (
+                    ": give fit the same resume= on every rank (rank 0 reads the checkpoint "
+                    "and sends it to the others, which need no file)"
+                    if resume
+                    else ""
+                )
             )
         # The ranks' marks are all the same when the sum of their squares, times the ranks,
         # is their sum squared (each side an integer float64 holds, or rounded alike).
@@ -704,8 +712,9 @@ class Comm:
         return extra.tolist()
 
     def share(self, value: Any) -> Any:
-        """Rank 0's ``value``, on every rank (blocking)."""
-        self.header(SETUP)  # if rank 0 failed to make it, every rank hears of it here
+        """Rank 0's ``value`` (the checkpoint of ``fit(resume=...)``), on every rank
+        (blocking)."""
+        self.header(RESUME)  # if rank 0 failed to read it, every rank hears of it here
         box = [value]
         try:
             dist.broadcast_object_list(box, src=0, group=self._group)

@@ -259,6 +259,7 @@ class Trainer(Resumable, Generic[M]):
             )
         if not isinstance(given, nn.Module):
             raise ConfigurationError(f"model must be a torch.nn.Module, got {type(given).__name__}")
+        _check_unwrapped(model)
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigurationError(
                 f"{type(model).__name__} has no trainable parameters (none requires grad)"
@@ -1352,6 +1353,22 @@ def _check_takes_model_and_batch(name: str, function: Any) -> None:
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigurationError(message)
+
+
+def _check_unwrapped(model: nn.Module) -> None:
+    """Refuse a model that is, or holds, a ``DistributedDataParallel`` or ``DataParallel``
+    wrapper: its reducer would run collectives of its own in every backward (on the default
+    process group, behind the trainer's back), and hang at a step that one rank makes
+    without data."""
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            where = "model is" if not name else f"model.{name} is"
+            raise ConfigurationError(
+                f"{where} wrapped in {type(module).__name__}: pass the module inside it "
+                f"({'model' if not name else f'model.{name}'}.module). The trainer does the "
+                "data parallelism itself, across its devices and ranks; the wrapper's own "
+                "gradient reduction would run beside it in every backward"
+            )
 
 
 def _check_made(model: nn.Module) -> None:

@@ -543,6 +543,9 @@ def test_ranks_whose_first_calls_differ_are_told_so_at_once(tmp_path: Path) -> N
     for report in reports:
         assert report is not None
         assert "out of step" in report["error"]
+        # Rank 0 was said to be "at a trainer's first call", and resume= went unnamed.
+        assert "taking the checkpoint of fit(resume=...) from rank 0" in report["error"]
+        assert "give fit the same resume= on every rank" in report["error"]
     assert seconds < 30
 
 
@@ -1447,6 +1450,24 @@ def test_a_step_as_large_as_the_last_takes_no_pass_to_scale_its_reduced_gradient
     anyio.run(functools.partial(expected.fit, data, epochs=1))
     for mine, theirs in zip(trainer.model.parameters(), expected.model.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-6)
+
+
+def test_a_model_still_wrapped_in_distributed_data_parallel_is_refused() -> None:
+    # A half-ported DDP script: DDP's reducer all-reduced on the default group in every
+    # backward, beside the trainer's exchange; at a step one rank made without data (an odd
+    # batch count) the other waited in DDP's all-reduce until the process group's timeout,
+    # with nothing logged (a user's trial, 2 ranks). With an even count, an extra all-reduce a
+    # step, silently.
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    with one_rank_group():
+        ddp = torch.nn.parallel.DistributedDataParallel(worker.model(0))
+        message = r"model is wrapped in DistributedDataParallel: pass the module inside it \("
+        with pytest.raises(asyncddp.ConfigurationError, match=message):
+            asyncddp.Trainer(ddp, sgd, worker.step, devices="cpu")
+        held = torch.nn.Sequential(ddp, torch.nn.Identity())
+        with pytest.raises(asyncddp.ConfigurationError, match=r"model\.0 is wrapped in Distr"):
+            asyncddp.Trainer(held, sgd, worker.step, devices="cpu")
+        asyncddp.Trainer(ddp.module, sgd, worker.step, devices="cpu")  # what it wraps trains
 
 
 @pytest.mark.parametrize("exchange", ["packed", "apart"])
