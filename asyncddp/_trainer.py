@@ -937,17 +937,22 @@ class Trainer(Resumable, Generic[M]):
         self._session_done = anyio.Event()
         ended = False
         # fast_acquire: an uncontended step need not yield to the loop (the step awaits anyway)
-        self._step_lock = anyio.Lock(fast_acquire=True)
+        lock = self._step_lock = anyio.Lock(fast_acquire=True)
+        # Held before the scheduler is seen: a checkpoint waits until the replicas are ready.
+        # (An acquire yields to the loop first in a cancelled scope, where a checkpoint
+        # waiting to run took the lock of a trainer with no replicas yet, and failed.)
+        lock.acquire_nowait()
         self._window_locked = False
         try:
             scheduler.start()
         except BaseException:
+            lock.release()
             self._session_kind = None  # no session after all: nobody waits for its end
             self._session_done.set()
             raise
         self._scheduler = scheduler
         try:
-            async with self._step_lock:  # a checkpoint waits until the replicas are ready
+            with _releasing(lock):
                 if not self._replicas:
                     await self._build_replicas()
                 elif self._replicas[0].grads.loose != self._lone():  # joined a process group
@@ -1353,6 +1358,15 @@ def _check_takes_model_and_batch(name: str, function: Any) -> None:
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigurationError(message)
+
+
+@contextlib.contextmanager
+def _releasing(lock: anyio.Lock) -> Iterator[None]:
+    """Release ``lock``, held already, at the block's end."""
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _check_unwrapped(model: nn.Module) -> None:

@@ -4011,6 +4011,33 @@ async def test_a_checkpoint_asked_for_as_fit_starts_waits_for_the_replicas(tmp_p
     assert trainer.global_step == 5
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_a_checkpoint_waiting_as_a_cancelled_first_fit_starts_is_written(
+    tmp_path: Any, devices: int
+) -> None:
+    # The fit, cancelled as it starts, published its scheduler and then took its step lock;
+    # anyio's acquire yields to the loop first in a cancelled scope, and the checkpoint waiting
+    # to run took the lock of a trainer with no replicas yet: a WorkerFailedError on cpu#0
+    # (phase "checkpoint", an IndexError), found by a cancellation fuzzer.
+    trainer = Trainer(
+        make_model(), SGD, loss_step, devices=cpu_devices(devices), progress_bar=False
+    )
+    saved: list[Any] = []
+
+    async def save() -> None:
+        saved.append(await trainer.save_checkpoint(tmp_path / "early.ckpt"))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(save)  # runs at the fit's first yield
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await trainer.fit(make_batches([4] * 2), epochs=1)
+    assert scope.cancelled_caught
+    assert asyncddp._checkpoint.load(saved[0])["global_step"] == 0
+    await trainer.fit(make_batches([4] * 2), epochs=1)
+    assert trainer.global_step == 2
+
+
 async def test_one_device_unused_parameters_and_cancellation_stay_exact() -> None:
     # One device runs each step as one job: the same guarantees as several devices.
     raw = make_batches([6, 6, 6, 6])
