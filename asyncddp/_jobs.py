@@ -351,7 +351,7 @@ class Jobs:
                 raise NonFiniteLoss(value)
         elif not self.check_finite:
             value = float(loss.detach())
-        stray = stray_gradient(self.replicas) if len(self.replicas) > 1 else None
+        stray = stray_gradient(self.replicas, replica) if len(self.replicas) > 1 else None
         if replica.params and not any(replica.used) and loss.grad_fn is not None:
             # (A leaf loss, a constant that requires grad, comes from no model at all.)
             raise StepOutputError(
@@ -593,8 +593,14 @@ class Jobs:
         ``work``: the step's apply id (if it got as far) and its window number."""
         apply_id, window = work
         replica = self.replicas[ctx.device.index]
-        if apply_id is not None and replica.stepped_at == apply_id:
-            replica.backup.restore(replica.params, replica.optimizer, replica.scheduler)
+        if (
+            apply_id is not None
+            and replica.stepped_at == apply_id
+            and not replica.backup.restore(replica.params, replica.optimizer, replica.scheduler)
+        ):
+            # atomic_steps=False: the step stays taken (a job that stepped after its
+            # step_timeout, say), and the trainer refuses to go on (Trainer._session).
+            replica.kept_step = True
         replica.stepped_at = None
         replica.grads.attach()
         replica.grads.zero_()

@@ -90,6 +90,9 @@ class Replica:
         self.backup = StepBackup()
         #: The optimizer step (by apply id) this replica took and may have to undo.
         self.stepped_at: int | None = None
+        #: Whether an undo found this replica's optimizer step taken and nothing to restore
+        #: (``atomic_steps=False``): it holds a step the trainer did not count.
+        self.kept_step = False
         #: The learning rate of the last optimizer step, before its LR scheduler stepped.
         self.stepped_lr: float | None = None
         # Buffers (BatchNorm statistics) as the open window found them, slot by slot, to undo
@@ -205,22 +208,25 @@ class Replica:
 _strays = threading.local()
 
 
-def stray_gradient(replicas: list[Replica]) -> tuple[Replica, str] | None:
-    """The replica, and the name of its parameter, that the calling worker's backward (in
-    this job) accumulated a gradient into though it is not the worker's own; ``None`` when
-    there is none. A model that keeps a function referring to its own parameters or modules
+def stray_gradient(replicas: list[Replica], own: Replica) -> tuple[Replica, str] | None:
+    """The replica of ``replicas`` other than ``own``, and the name of its parameter, that the
+    calling worker's backward (in this job) accumulated a gradient into; ``None`` when there
+    is none. A model that keeps a function referring to its own parameters or modules
     (``self.act = lambda x: x * self.alpha``; a hook made by a lambda that calls other
     modules) shares that function with its copies, which ``copy.deepcopy`` does not copy: every
     device's forward then uses the first replica's parameters there, and its backward writes
     into that replica's gradients from another thread, racing its own step."""
-    param = getattr(_strays, "param", None)
-    if param is None:
+    stray = getattr(_strays, "param", None)
+    if stray is None:
         return None
     _strays.param = None
+    flags, param = stray
     for replica in replicas:
-        for name, mine in replica.model.named_parameters(remove_duplicate=False):
-            if mine is param:
-                return replica, name
+        # (Not a replica of another trainer given the same module, whose hooks it holds too.)
+        if replica is not own and replica._used is flags:
+            for name, mine in replica.model.named_parameters(remove_duplicate=False):
+                if mine is param:
+                    return replica, name
     return None
 
 
@@ -243,7 +249,7 @@ class _UsedFlags:
         if threading.get_ident() == self.thread or current_worker() is None:
             self.marks += 1
         else:  # another worker's backward reached this replica (see `stray_gradient`)
-            _strays.param = param
+            _strays.param = (self, param)
 
 
 class BufferSlots:

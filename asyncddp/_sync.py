@@ -563,10 +563,12 @@ class StepBackup:
         params: Sequence[torch.Tensor],
         optimizer: torch.optim.Optimizer,
         scheduler: Any | None,
-    ) -> None:
+    ) -> bool:
+        """Put the parameters, optimizer state, group settings and LR scheduler back as the
+        capture saved them; returns whether there was one (none with ``atomic_steps=False``)."""
         saved = self._saved
         if saved is None:
-            return
+            return False
         self.forget_ahead()
         targets = [p.detach() for p in params]
         for param, state in zip(params, saved.tensors.state, strict=True):
@@ -594,6 +596,7 @@ class StepBackup:
             restore_group_settings(group, hyper)
         if scheduler is not None and saved.scheduler is not None:
             scheduler.load_state_dict(saved.scheduler)
+        return True
 
 
 def group_settings(group: dict[str, Any]) -> dict[str, Any]:

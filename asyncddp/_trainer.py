@@ -195,7 +195,8 @@ class Trainer(Resumable, Generic[M]):
             it). Across processes with one CPU device each, the copy is made while the rank
             waits for the others' gradients (not with a ``step_timeout`` or loss scaling,
             whose exchange runs apart). Turn off to save memory (a failure in the
-            optimizer step then leaves the replicas unusable until ``load_state_dict``).
+            optimizer step, or a job that takes its optimizer step after its
+            ``step_timeout``, then leaves the replicas unusable until ``load_state_dict``).
         checkpoint_dir: Where ``fit`` writes a checkpoint after every epoch; ``None`` for none.
         progress_bar: Show a progress bar (tqdm's, which also renders in notebooks); by default
             when stderr (where the bar goes) is a terminal, or in a notebook.
@@ -887,6 +888,8 @@ class Trainer(Resumable, Generic[M]):
                 load_into(replica, pending or state)
         if state.get("optimizer") is not None:
             self._consistent = True  # every replica has the same parameters and optimizer state
+            for replica in self._replicas:
+                replica.kept_step = False
 
     # -- sessions: workers and replicas ----------------------------------------------------
 
@@ -910,11 +913,14 @@ class Trainer(Resumable, Generic[M]):
             error.threads = list(self._stragglers)  # type: ignore[attr-defined]
             raise error
         self._check_queued_undos()  # their threads have exited
-        if not self._consistent:
+        if not self._consistent or any(replica.kept_step for replica in self._replicas):
+            self._consistent = False
             raise AsyncDDPError(
-                "a failed optimizer step left the replicas different from each other "
-                "(atomic_steps=False, or its undo failed); call load_state_dict() with a "
-                "state saved after a step (state_dict() or a checkpoint) first"
+                "a failed or timed-out step's optimizer step could not be undone on some "
+                "replicas (atomic_steps=False keeps no copy to undo it with, or its undo "
+                "failed): they hold a step that global_step does not count, and may differ "
+                "from each other; call load_state_dict() with a state saved after a step "
+                "(state_dict() or a checkpoint) first"
             )
         last = _LAST_CALLER.get(self._source)
         other = last() if last is not None else None
