@@ -89,43 +89,54 @@ class Resumable(Epochs):
             self._optimizer_factory,
             self._scheduler_factory,
         )
-        self.epoch = int(state["epoch"])
-        self.global_step = int(state["global_step"])
-        self._batches_done = int(state["batches_done"])
-        loaded = state.get("batches_loaded")  # absent from the checkpoints of earlier versions
-        self._batches_loaded = int(loaded) if loaded is not None else None
-        self._left_loading = None  # a loader left behind counts for the position it replaces
-        self._epoch_rng = state.get("epoch_rng")
-        # Absent from the checkpoints of earlier versions: the loader's generators stay as the
-        # loader has them.
-        self._loader_rng = self._resumed_loader_rng = state.get("loader_rng")
-        self._epoch_trained = bool(state.get("epoch_trained", False))
-        self._valid_rng = state.get("valid_rng")  # absent from earlier versions' checkpoints
-        self._checkpoint_owed = False  # of the state this one replaces
-        self._epoch_sums = Sums(**state["epoch_sums"]) if state.get("epoch_sums") else Sums()
-        self._epoch_items = dict(state.get("epoch_items") or {})
-        self._epoch_steps = int(state.get("epoch_steps") or 0)  # absent from earlier versions
-        self._epoch_seconds = float(state.get("epoch_seconds", 0.0))
-        self.history = [EpochRecord(**record) for record in state.get("history", [])]
+        # Every entry read before any is taken: one that cannot be read leaves the trainer as
+        # it was (it took the position up to that entry, and not the weights, before).
+        epoch = _entry(state, "epoch", int, required=True)
+        global_step = _entry(state, "global_step", int, required=True)
+        batches_done = _entry(state, "batches_done", int, required=True)
+        # Absent from the checkpoints of earlier versions: batches_loaded, loader_rng,
+        # valid_rng, epoch_steps, items_ref.
+        batches_loaded = _entry(state, "batches_loaded", int)
+        epoch_sums = _entry(state, "epoch_sums", lambda sums: Sums(**sums), default=Sums())
+        epoch_items = _entry(state, "epoch_items", dict, default={})
+        epoch_steps = _entry(state, "epoch_steps", int, default=0)
+        epoch_seconds = _entry(state, "epoch_seconds", float, default=0.0)
+        history = _entry(
+            state, "history", lambda records: [EpochRecord(**r) for r in records], default=[]
+        )
+        data_seed = _entry(state, "data_seed", int)
+        world = _entry(state, "world_size", int, default=1)
+        items_ref = _entry(state, "items_ref", float)
         if self._scaler is not None and state.get("loss_scaler"):
-            self._scaler.load_state_dict(state["loss_scaler"])
-        if state.get("data_seed") is not None:
-            self._data_seed = int(state["data_seed"])
-        self._batches_world = int(state.get("world_size", 1))
-        ref = state.get("items_ref")  # absent from the checkpoints of earlier versions
-        self._items_ref = float(ref) if ref is not None else None
+            _entry(state, "loss_scaler", self._scaler.load_state_dict)
         if state.get("rng") is not None:
-            _checkpoint.restore_rng(state["rng"])
-        self._window_open = True  # whatever was half done is undone at the next session start
-        # ... but not with the buffers the replicas saved before it: the loaded state's
-        # buffers replace them (a new window number matches no replica's saved copy).
-        self._window += 1
-        self._last_iterator = None  # the loaded position is not that iterator's
+            _entry(state, "rng", _checkpoint.restore_rng)
         if not self._replicas:
             self._source.load_state_dict(state["model"])
             # The replicas are copied from the source: loading the model again as they are
             # built would undo what the user changes on trainer.model meanwhile.
             state = {**state, "model": None}
+        self.epoch, self.global_step, self._batches_done = epoch, global_step, batches_done
+        self._batches_loaded = batches_loaded
+        self._left_loading = None  # a loader left behind counts for the position it replaces
+        self._epoch_rng = state.get("epoch_rng")
+        # The loader's generators stay as the loader has them without one.
+        self._loader_rng = self._resumed_loader_rng = state.get("loader_rng")
+        self._epoch_trained = bool(state.get("epoch_trained", False))
+        self._valid_rng = state.get("valid_rng")
+        self._checkpoint_owed = False  # of the state this one replaces
+        self._epoch_sums, self._epoch_items = epoch_sums, epoch_items
+        self._epoch_steps, self._epoch_seconds = epoch_steps, epoch_seconds
+        self.history = history
+        if data_seed is not None:
+            self._data_seed = data_seed
+        self._batches_world = world
+        self._items_ref = items_ref
+        self._window_open = True  # whatever was half done is undone at the next session start
+        # ... but not with the buffers the replicas saved before it: the loaded state's
+        # buffers replace them (a new window number matches no replica's saved copy).
+        self._window += 1
+        self._last_iterator = None  # the loaded position is not that iterator's
         self._pending_state = dict(state)
 
     async def _snapshot(self) -> dict[str, Any]:
@@ -257,6 +268,31 @@ class Resumable(Epochs):
             "those of the same name, and resume='latest' would later pick that one. Pass "
             "resume='latest' to go on from it, or give this run a checkpoint_dir of its own",
         )
+
+
+def _entry(
+    state: Mapping[str, Any],
+    name: str,
+    read: Callable[[Any], Any],
+    *,
+    default: Any = None,
+    required: bool = False,
+) -> Any:
+    """``read(state[name])``, or ``default`` where the entry is absent or ``None`` (unless
+    ``required``); a `CheckpointError` naming the entry where ``read`` cannot take it (a
+    state edited by hand, ``state["global_step"] = None``)."""
+    value = state[name] if required else state.get(name)
+    if value is None and not required:
+        return default
+    try:
+        return read(value)
+    except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as error:
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else f"{shown[:57]}..."
+        raise CheckpointError(
+            f"the state's {name!r} entry cannot be read ({type(error).__name__}: {error}): it "
+            f"holds {shown}. The trainer's position, weights and optimizer are as they were"
+        ) from error
 
 
 def _sums_dict(sums: Sums) -> dict[str, Any]:

@@ -877,7 +877,8 @@ class Trainer(Resumable, Generic[M]):
         Raises:
             CheckpointError: the state does not fit this trainer (another model's keys or
                 shapes, another optimizer's parameter groups, or not a trainer's state at
-                all). Nothing of it is taken: the position, weights and optimizer stay.
+                all), or one of its entries cannot be read (a state edited by hand). Nothing
+                of it is taken: the position, weights and optimizer stay.
             ConfigurationError: a fit, validation or checkpoint is running.
         """
         self._refuse_if_running("load_state_dict()")

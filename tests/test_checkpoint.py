@@ -178,6 +178,28 @@ async def test_resuming_from_another_model_s_checkpoint_is_refused_before_fit_mo
     assert_same(what_it_holds(trainer), before)
 
 
+@pytest.mark.parametrize(
+    ("entry", "value"),
+    [("global_step", None), ("history", "x"), ("epoch_items", 5), ("epoch_sums", [1])],
+)
+async def test_a_state_with_an_entry_that_cannot_be_read_is_refused_whole(
+    entry: str, value: Any
+) -> None:
+    # Edited by hand: the position was taken up to that entry, not the weights, and a bare
+    # TypeError came up; the next fit then trained from the untouched weights at the position
+    # of the other run.
+    donor = make_trainer(2)
+    await donor.fit(batches(), epochs=2)
+    state = {**donor.state_dict(), entry: value}
+    trainer = make_trainer(2)
+    await trainer.fit(batches(), epochs=1)
+    before = what_it_holds(trainer)
+    with pytest.raises(CheckpointError, match=rf"the state's '{entry}' entry cannot be read"):
+        trainer.load_state_dict(state)
+    assert_same(what_it_holds(trainer), before)
+    assert (trainer.epoch, trainer.global_step) == (1, 3)
+
+
 async def test_a_state_that_fits_still_loads_whole() -> None:
     donor = make_trainer(2)
     await donor.fit(batches(), epochs=2)
