@@ -1063,6 +1063,7 @@ class Trainer(Resumable, Generic[M]):
 
     @checkpoint_dir.setter
     def checkpoint_dir(self, value: str | os.PathLike[str] | None) -> None:
+        check_path("checkpoint_dir", value)  # here: save_checkpoint() checks no options
         self._checkpoint_dir = _as_path(value)
 
     def _begin_call(self, call: str) -> None:

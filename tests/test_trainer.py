@@ -4574,6 +4574,11 @@ async def test_options_changed_between_calls_are_checked_as_the_next_call_starts
             await trainer.validate(make_batches([4]))
         setattr(trainer, name, good)
     assert trainer.global_step == 0
+    # Refused as it is assigned: save_checkpoint() checks no options, and it raised a bare
+    # TypeError (int / str) after taking the whole state.
+    with pytest.raises(ConfigurationError, match=r"checkpoint_dir must be a path .* got 5"):
+        trainer.checkpoint_dir = 5  # type: ignore[assignment]
+    assert trainer.checkpoint_dir is None
     monkeypatch.setenv("HOME", str(tmp_path))
     trainer.checkpoint_dir = "~/checkpoints"
     await trainer.fit(make_batches([4, 4]), epochs=1)
