@@ -30,6 +30,7 @@ What the trainer does across ranks:
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from . import _devices
-from ._checks import warn_user
+from ._checks import check_positive, warn_user
 from ._exceptions import ConfigurationError
 
 __all__ = ["World", "destroy", "init", "is_initialized", "world"]
@@ -94,13 +95,21 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
             reported much sooner: see the module's description.
 
     Raises:
-        ConfigurationError: the environment variables are missing (not launched by
+        ConfigurationError: ``timeout`` is not a positive, finite number of seconds; the
+            environment variables are missing (not launched by
             ``torchrun``) or do not describe a process group (``RANK`` not below
             ``WORLD_SIZE``, a value that is not a number), ``backend`` is unknown, or NCCL
             is asked for and this process has no GPU of its own (fewer GPUs than processes
             on its machine and no ``CUDA_VISIBLE_DEVICES``, or another process has the same
             GPU).
     """
+    if timeout is not None:
+        timeout = check_positive("timeout", timeout, unit="seconds", none=False)
+        if math.isinf(timeout):
+            raise ConfigurationError(
+                "timeout must be a finite number of seconds (None for torch's default: "
+                "10 minutes for NCCL, 30 for gloo), got inf"
+            )
     if dist.is_initialized():
         joined = str(dist.get_backend())  # "gloo", or a device's own, "cpu:gloo,cuda:nccl"
         parts = {part.rpartition(":")[2] for part in joined.split(",")}

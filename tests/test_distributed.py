@@ -1585,6 +1585,27 @@ def test_init_refuses_an_environment_that_describes_no_process_group_at_once(
     assert not asyncddp.distributed.is_initialized()
 
 
+@pytest.mark.parametrize(
+    ("timeout", "expected"),
+    [
+        (0, r"timeout must be a positive number of seconds, got 0"),
+        (-5, r"got -5"),
+        ("60", r"got '60'"),
+        (float("inf"), r"timeout must be a finite number of seconds \(None for torch's"),
+    ],
+)
+def test_init_refuses_a_timeout_that_is_no_time_limit(
+    monkeypatch: pytest.MonkeyPatch, timeout: Any, expected: str
+) -> None:
+    # 0 and -5 reached torch's store as a timeout: "The client socket has timed out after
+    # 0ms", a network fault to read, and C++ stack traces on stderr; "60" raised a bare
+    # TypeError from timedelta, inf an OverflowError.
+    torchrun_env(monkeypatch, 0, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()})
+    with pytest.raises(asyncddp.ConfigurationError, match=expected):
+        asyncddp.distributed.init(timeout=timeout)
+    assert not asyncddp.distributed.is_initialized()
+
+
 @pytest.mark.anyio
 async def test_a_fit_under_torchrun_without_init_warns_that_each_process_trains_alone(
     monkeypatch: pytest.MonkeyPatch,
