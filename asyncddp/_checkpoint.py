@@ -236,9 +236,30 @@ def _not_a_state(given: object) -> CheckpointError:
 
 
 def _unreadable(source: Path, exc: Exception) -> CheckpointError:
+    """The error for a file ``torch.load`` failed on: not a file ``torch.save`` wrote at all
+    (a text file, a Git LFS pointer), or one truncated or corrupt. Torch's own message, often
+    many lines (with advice on ``weights_only`` that does not apply), is the cause's alone."""
+    try:
+        with open(source, "rb") as file:
+            head = file.read(64)
+    except OSError:
+        head = b"PK"
+    # torch.save writes a zip archive; torch's legacy format is a pickle (protocol 2 and up).
+    # An empty file, or one cut inside the zip's first bytes, is a truncated one.
+    if not (b"PK\x03\x04".startswith(head[:4]) or head.startswith(b"\x80")):
+        lfs = head.startswith(b"version https://git-lfs")
+        return CheckpointError(
+            f"{str(source)!r} is not a checkpoint: not a file torch.save wrote (it begins "
+            f"{head[:24]!r})"
+            + ("; it is a Git LFS pointer: fetch the file itself, git lfs pull" if lfs else "")
+        )
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    first = first if len(first) <= 160 else f"{first[:157]}..."
     return CheckpointError(
         f"checkpoint {str(source)!r} cannot be read; it is truncated or corrupt "
-        f"({type(exc).__name__}: {exc}). Resume from an earlier checkpoint"
+        f"({type(exc).__name__}{': ' + first if first else ''}). Resume from an earlier "
+        "checkpoint"
     )
 
 

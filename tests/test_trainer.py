@@ -2281,6 +2281,13 @@ async def test_a_corrupt_checkpoint_raises_a_clear_error(tmp_path: Any) -> None:
         await trainer.fit(make_batches([2]), resume=tmp_path / "cut.ckpt")
     with pytest.raises(asyncddp.CheckpointError, match="no checkpoint at"):
         await trainer.fit(make_batches([2]), resume=tmp_path / "missing.ckpt")
+    # Not a file torch.save wrote: said so, without torch's advice on weights_only=False
+    # (unsafe, and not asyncddp's to set) pasted in as "truncated or corrupt".
+    (tmp_path / "notes.ckpt").write_text("version https://git-lfs.github.com/spec/v1\n")
+    with pytest.raises(asyncddp.CheckpointError, match=r"not a file torch.save wrote") as caught:
+        await trainer.fit(make_batches([2]), resume=tmp_path / "notes.ckpt")
+    assert "git lfs pull" in str(caught.value)
+    assert "weights_only" not in str(caught.value)
     torch.save({"something": 1}, tmp_path / "other.ckpt")
     with pytest.raises(asyncddp.CheckpointError, match=r"not an asyncddp checkpoint$"):
         await trainer.fit(make_batches([2]), resume=tmp_path / "other.ckpt")
