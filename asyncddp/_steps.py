@@ -327,6 +327,16 @@ class Steps:
                     f"on_failure='retry': this step failed {attempt + 1} times, its "
                     f"max_retries={self.max_retries} retries used up"
                 )
+            if action == "raise" and self.on_failure == "drop" and len(failed) == len(self.devices):
+                error.add_note(
+                    "on_failure='drop' drops only some devices: "
+                    + (
+                        "this trainer's one device failed"
+                        if len(self.devices) == 1
+                        else f"all {len(self.devices)} devices failed in this step"
+                    )
+                    + ", and none would be left to go on with"
+                )
             self._publish_failure(error, action)
             if action == "raise":
                 if not isinstance(error, WorkerTimeoutError):  # a hung device cannot undo

@@ -1605,6 +1605,32 @@ async def test_drop_raises_an_error_that_follows_its_batch_instead_of_dropping_e
     assert trainer.global_step == 1
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_drop_says_why_it_raised_when_no_device_would_be_left(devices: int) -> None:
+    # It raised with no note: with the WorkerFailed event's action "raise", the user could not
+    # tell on_failure="drop" had been passed over, where the other two reasons say so.
+    started = threading.Barrier(devices, timeout=10)
+
+    def fails(model: nn.Module, batch: Any) -> torch.Tensor:
+        started.wait()  # both running: neither's job is dropped for the other's failure
+        raise RuntimeError("every device fails")
+
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        fails,
+        devices=cpu_devices(devices),
+        on_failure="drop",
+        progress_bar=False,
+    )
+    with pytest.raises(WorkerFailedError, match="every device fails") as caught:
+        await trainer.fit(make_batches([6]), epochs=1)
+    which = "this trainer's one device" if devices == 1 else "all 2 devices failed in this step"
+    notes = "\n".join(caught.value.__notes__)
+    assert "on_failure='drop' drops only some devices: " + which in notes
+    assert "none would be left" in notes
+
+
 @pytest.mark.parametrize("long", [False, True], ids=["short-list", "long-list"])
 async def test_a_long_list_of_batches_is_counted_off_the_event_loop(
     monkeypatch: pytest.MonkeyPatch, long: bool
