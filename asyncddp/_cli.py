@@ -87,9 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     file=sys.stderr,
                 )
             return 0
-        if args.epochs < 1 or args.batch_size < 1:
-            print("asyncddp demo: --epochs and --batch-size must be at least 1", file=sys.stderr)
-            return 2
+        for flag, value in (("--epochs", args.epochs), ("--batch-size", args.batch_size)):
+            if value < 1:
+                print(f"asyncddp demo: {flag} must be at least 1, got {value}", file=sys.stderr)
+                return 2
         from ._demo import main as demo
 
         asyncio.run(demo(spec, args.epochs, args.batch_size, args.progress))

@@ -361,11 +361,13 @@ def check_rebuilt(first: Replica) -> None:
         first.buffer_backup, first.buffers_saved_for = None, None
     thawed = [names[id(p)] for p in now if p.requires_grad and id(p) not in trained]
     if thawed:
+        one = len(thawed) == 1
         warn_user(
             f"{', '.join(thawed[:3])}{', ...' if len(thawed) > 3 else ''} of trainer.model "
-            "requires grad now but did not when its replicas were built, so no optimizer "
-            "holds it and it is not trained; unfreeze it before the first fit, or build a "
-            "new Trainer"
+            f"{'requires' if one else 'require'} grad now but did not when its replicas were "
+            f"built, so no optimizer holds {'it' if one else 'them'} and "
+            f"{'it is' if one else 'they are'} not trained; unfreeze "
+            f"{'it' if one else 'them'} before the first fit, or build a new Trainer"
         )
 
 
@@ -696,4 +698,7 @@ def _is_integer(value: Any) -> bool:
 def _kind(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
-    return "None" if value is None else f"a {type(value).__name__}"
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"

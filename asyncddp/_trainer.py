@@ -517,9 +517,10 @@ class Trainer(Resumable, Generic[M]):
                 iterator (a generator, say), which can be read once, and more than one epoch
                 is to run, or a map-style ``Dataset`` (pass a ``DataLoader`` over it).
             CheckpointError: ``resume`` names a checkpoint that cannot be read, or
-                ``checkpoint_dir`` cannot be written (before any step).
-            ConfigurationError: ``epochs < 1``, or ``resume="latest"`` without a
-                ``checkpoint_dir`` (or with a file there), or the optimizer or LR scheduler
+                ``checkpoint_dir`` cannot be made or written (a path under a file, no
+                permission; before any step).
+            ConfigurationError: ``epochs < 1``, or ``checkpoint_dir`` is a file, or
+                ``resume="latest"`` without a ``checkpoint_dir``, or the optimizer or LR scheduler
                 factory raised (its error is the cause); across processes, another Trainer's
                 call is running in this process.
 

@@ -23,7 +23,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import torch
 
-from ._checks import check_int, check_positive
+from ._checks import check_bool, check_int, check_positive
 from ._devices import cpu_devices
 from ._exceptions import ConfigurationError
 from ._worker import WorkerContext, current_worker
@@ -384,9 +384,10 @@ def failing_optimizer(
     Raises:
         TypeError: ``factory`` is not callable (an optimizer already built, say), ``device``
             is neither an index nor a name, or ``error`` is not an exception.
-        ConfigurationError: ``device`` is below 0, ``at`` is not an int from 0, or ``times``
-            is not an int from 1.
+        ConfigurationError: ``device`` is below 0, ``at`` is not an int from 0, ``times``
+            is not an int from 1, or ``after_update`` is not True or False.
     """
+    after_update = check_bool("after_update", after_update)
     if isinstance(factory, torch.optim.Optimizer):
         raise TypeError(
             f"factory must make an optimizer from parameters, such as functools.partial("

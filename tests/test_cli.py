@@ -86,6 +86,9 @@ def test_bad_devices_are_a_clear_error_and_exit_2(capsys: pytest.CaptureFixture[
     assert main(["devices", "cpu,cpu"]) == 2
     assert "give cpu#0,cpu#1 for two CPU workers" in capsys.readouterr().err
     assert main(["demo", "--epochs", "0"]) == 2
+    assert "--epochs must be at least 1, got 0" in capsys.readouterr().err  # which one
+    assert main(["demo", "--batch-size", "-3"]) == 2
+    assert "--batch-size must be at least 1, got -3" in capsys.readouterr().err
 
 
 def test_devices_command_lists_what_a_spec_resolves_to(capsys: pytest.CaptureFixture[str]) -> None:

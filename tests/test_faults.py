@@ -669,6 +669,8 @@ def test_a_fault_that_could_never_fire_is_refused_where_it_is_made() -> None:
         fail_on(lambda ctx, shard: None, device="cpu#1")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="times must be an int >= 1"):
         failing_optimizer(SGD, device=0, times=0)
+    with pytest.raises(ValueError, match="after_update must be True or False, got 'no'"):
+        failing_optimizer(SGD, device=0, after_update="no")  # type: ignore[arg-type]
 
 
 def test_every_helper_refuses_arguments_that_could_never_fire_where_it_is_made() -> None:

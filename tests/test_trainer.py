@@ -849,6 +849,7 @@ async def test_an_optimizer_factory_over_the_outer_model_is_refused() -> None:
         # at each epoch's end as if it were the scheduler.
         (SGD, lambda opt: None, r"returned None \(a function without a return\?\), not an LR"),
         (SGD, lambda opt: opt, "returned the optimizer it was given, not an LR scheduler"),
+        (SGD, lambda opt: 5, "returned an int, not an LR scheduler"),  # "a int"
         (
             SGD,
             lambda opt: torch.optim.lr_scheduler.StepLR(SGD(make_model().parameters()), 1),
