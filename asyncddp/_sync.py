@@ -114,7 +114,7 @@ class FlatGrads:
             buffer = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=group[0].device)
             offset = 0
             for param in group:
-                view = buffer[offset : offset + param.numel()].view_as(param)
+                view = _grad_view(buffer[offset : offset + param.numel()], param)
                 self._views.append((param, view))
                 offset += param.numel()
             self.buffers.append(buffer)
@@ -162,6 +162,29 @@ class FlatGrads:
     def chunk(self, buffer: int, owner: int) -> torch.Tensor:
         start, stop = chunk_bounds(self.buffers[buffer].numel(), self.parts, owner)
         return self.buffers[buffer][start:stop]
+
+
+def _grad_view(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``flat`` (``param.numel()`` elements) as ``param``'s gradient, laid out as ``param`` is
+    where that layout is dense (a ``channels_last`` convolution's weight), as autograd lays
+    out a gradient and as DDP's buckets do: a contiguous ``.grad`` of a channels-last weight
+    made torch warn that the gradient layout contract was broken, in every step."""
+    if param.is_contiguous() or not _dense(param):
+        return flat.view_as(param)
+    return flat.as_strided(param.size(), param.stride())
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill a block of memory once each, in some order of its
+    dimensions (as ``torch.empty_like`` keeps such a layout)."""
+    expected = 1
+    for stride, size in sorted(
+        (st, sz) for st, sz in zip(tensor.stride(), tensor.shape, strict=True) if sz != 1
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _async_copy(source: torch.Tensor, target: torch.Tensor) -> bool:

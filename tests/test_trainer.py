@@ -1606,6 +1606,39 @@ async def test_drop_raises_an_error_that_follows_its_batch_instead_of_dropping_e
     assert trainer.global_step == 1
 
 
+async def test_a_channels_last_model_s_gradients_are_laid_out_as_its_weights() -> None:
+    # Each .grad was a contiguous view into the flat buffers: on several devices torch warned
+    # that the gradient layout contract was broken ("may impair performance"), every step.
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(64, 1))
+        return net.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(24, 3, 6, 6, generator=generator)
+    inputs = inputs.contiguous(memory_format=torch.channels_last)
+    targets = torch.randn(24, 1, generator=generator)
+    batches = [(inputs[i : i + 6], targets[i : i + 6]) for i in range(0, 24, 6)]
+
+    def step(model: nn.Module, batch: Any) -> torch.Tensor:
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    expected = build()
+    opt = SGD(expected.parameters())
+    for batch in batches:
+        opt.zero_grad()
+        step(expected, batch).backward()
+        opt.step()
+    trainer = Trainer(build(), SGD, step, devices=cpu_devices(2), progress_bar=False)
+    await trainer.fit(batches, epochs=1)  # the warning is an error in this suite
+    assert_close(trainer.model, expected)
+    for replica in trainer._replicas:
+        weight = replica.model[0].weight
+        assert weight.stride() == (27, 1, 9, 3)
+        assert weight.grad is not None
+        assert weight.grad.stride() == weight.stride()
+
+
 @pytest.mark.parametrize("devices", [1, 2])
 async def test_drop_says_why_it_raised_when_no_device_would_be_left(devices: int) -> None:
     # It raised with no note: with the WorkerFailed event's action "raise", the user could not
