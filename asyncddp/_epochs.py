@@ -30,6 +30,7 @@ from ._data import check_batch, no_batches, pin
 from ._dsteps import DistributedSteps
 from ._events import EpochEnded, StepEnded, ValidationEnded
 from ._exceptions import (
+    AsyncDDPError,
     AsyncDDPRuntimeWarning,
     ConfigurationError,
     StepOutputError,
@@ -97,6 +98,7 @@ class Epochs(DistributedSteps):
     _resumed_loader_rng: dict[str, Any] | None
     _epoch_sums: Sums
     _epoch_steps: int  # the optimizer steps of the epoch so far
+    _replicas_compared: bool  # after the fit's first step (see _compare_replicas)
     _epoch_items: dict[str, int]
     _epoch_seconds: float
     _epoch_trained: bool
@@ -447,6 +449,34 @@ class Epochs(DistributedSteps):
             )
         if cancelled is not None:
             raise cancelled
+        if taken and not self._replicas_compared:
+            self._replicas_compared = True
+            await self._compare_replicas("this fit's first step")
+
+    async def _compare_replicas(self, after: str) -> None:
+        """Refuse to go on from replicas whose parameters differ (CPU devices only; none across
+        processes: see `Jobs.differs`). A step that writes a parameter in place writes each
+        device's copy by that device's share of the batch (``nn.Embedding(max_norm=...)``
+        renormalizing the rows it looks up; a frozen parameter the forward updates from the
+        data): the copies drift apart with no error, and the model saved is the first's."""
+        if len(self._replicas) < 2 or any(d.torch_device.type != "cpu" for d in self.devices):
+            return
+        result = await self._scheduler_run(
+            self._jobs().differs, [None] * len(self.devices), phase="check"
+        )
+        for device, name in zip(self.devices, result.outputs, strict=True):
+            if name is not None:
+                raise AsyncDDPError(
+                    f"after {after}, parameter {name!r} differs between "
+                    f"{self.devices[0].name}'s copy of the model and {device.name}'s: the step "
+                    "or the model's forward changed it in place, each device by its own share "
+                    "of the batch (nn.Embedding(max_norm=...) renormalizes the rows it looks "
+                    "up; a parameter updated from the data), so the copies drift apart. Keep "
+                    "state the forward updates in a buffer (register_buffer: the trainer "
+                    "takes the first device's after each step, as DDP does), and make in-place "
+                    "changes to parameters the same on every device (renormalize every row, "
+                    "not those of the batch)"
+                )
 
     def _epoch_record(self, epoch: int) -> EpochRecord:
         sums = self._epoch_sums
@@ -478,6 +508,8 @@ class Epochs(DistributedSteps):
         """Validate, step the epoch's LR schedulers and close the epoch: once, even if cancelled
         and called again."""
         record = self._epoch_record(self.epoch)
+        if self._epoch_steps:  # before the validation: a cancellation after it closes the epoch
+            await self._compare_replicas(f"epoch {record.epoch}")
         if valid_data is not None:
             if self._resumed_loader_rng is not None:
                 # Resumed from a checkpoint written after the epoch's training, before its end:

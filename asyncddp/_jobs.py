@@ -263,6 +263,19 @@ def _pinned_copy(value: torch.Tensor) -> torch.Tensor:
     return host.copy_(value, non_blocking=True)
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same values, NaN where the other has NaN (a model that
+    trained on a NaN loss is the same on every device)."""
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() or a.is_complex()):
+        return False
+    nan = torch.isnan(a)
+    return torch.equal(nan, torch.isnan(b)) and torch.equal(
+        a.masked_fill(nan, 0), b.masked_fill(nan, 0)
+    )
+
+
 class Jobs:
     """The jobs of one trainer, bound to its replicas, step functions and precision."""
 
@@ -610,6 +623,19 @@ class Jobs:
             with torch.no_grad():
                 replica.restore_buffers()
         replica.used = [False] * len(replica.params)
+
+    def differs(self, ctx: WorkerContext, _: None) -> str | None:
+        """The name of the first parameter of this replica whose values are not the first
+        replica's, or ``None`` (the first's job compares nothing). CPU replicas only: no job
+        writes a parameter meanwhile, and the first's are read here as they are."""
+        if not ctx.device.index:
+            return None
+        first = self.replicas[0].model.named_parameters()
+        mine = self.replicas[ctx.device.index].model.parameters()
+        for (name, theirs), own in zip(first, mine, strict=True):
+            if not _same(own.detach(), theirs.detach()):
+                return name
+        return None
 
     def regroup(self, ctx: WorkerContext, work: tuple[int, bool]) -> None:
         parts, loose = work

@@ -177,6 +177,7 @@ class Steps:
 
             await self._run_all(move_back, phase="setup")
         check_rebuilt(first)
+        first.grads.rebind()  # a cast in place since (model.double() then .float()) broke them
         if len(self._replicas) > 1:
             await self._run_all(self._jobs().mirror, phase="setup")
 

@@ -109,18 +109,30 @@ class FlatGrads:
         for param in self.params:
             by_dtype.setdefault(param.dtype, []).append(param)
         self.buffers: list[torch.Tensor] = []
-        self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._places: list[tuple[nn.Parameter, torch.Tensor]] = []  # each one's flat slice
         for dtype, group in by_dtype.items() if not loose else ():
             buffer = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=group[0].device)
             offset = 0
             for param in group:
-                view = _grad_view(buffer[offset : offset + param.numel()], param)
-                self._views.append((param, view))
+                self._places.append((param, buffer[offset : offset + param.numel()]))
                 offset += param.numel()
             self.buffers.append(buffer)
+        self._views = [(param, _grad_view(flat, param)) for param, flat in self._places]
         # This replica's reduced chunks across processes (see reduce_scatter): made there.
         self.scratch: list[torch.Tensor] = []
         self.attach()
+
+    def rebind(self) -> None:
+        """Make each ``.grad`` view into the buffers anew (they hold no values between steps).
+        A cast in place of the model, ``model.double()`` then ``.float()``, sets the data of
+        the ``.grad`` tensor itself (torch's ``Module._apply``: ``param.grad.data = ...``):
+        the view object stays ``param.grad`` but no longer lies in the buffer, the backward
+        wrote where the reduction did not read, and that replica parted from the others. The
+        new views are the ``.grad`` of their parameters (values are not kept: a step's window
+        zeroes them as it opens)."""
+        self._views = [(param, _grad_view(flat, param)) for param, flat in self._places]
+        for param, view in self._views:
+            param.grad = view
 
     @property
     def nbytes(self) -> int:

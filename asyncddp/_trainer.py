@@ -377,6 +377,7 @@ class Trainer(Resumable, Generic[M]):
         self._valid_rng: dict[str, Any] | None = None  # what the epoch's validation started from
         self._checkpoint_owed = False  # the epoch closed, its checkpoint not written yet
         self._items_trained = 0  # by every step taken, in all calls (items_per_second)
+        self._replicas_compared = False
         self._replicas: list[Replica] = []
         self._pending_state: dict[str, Any] | None = None
         # Worker threads an earlier call left behind in a job (see _session).
@@ -557,6 +558,7 @@ class Trainer(Resumable, Generic[M]):
             await self._wait_for_checkpoint_session()
             self._stop_reason = None
             self._stop_agreed = False
+            self._replicas_compared = False  # after this fit's first step (_compare_replicas)
             history: list[EpochRecord] = []
             started, items_before = time.perf_counter(), self._items_trained
         except BaseException as error:  # nothing between this and the try below, which ends

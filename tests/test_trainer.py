@@ -1606,6 +1606,65 @@ async def test_drop_raises_an_error_that_follows_its_batch_instead_of_dropping_e
     assert trainer.global_step == 1
 
 
+class _CenteredFromData(nn.Module):
+    """Keeps a frozen parameter that the forward moves toward the data (an EMA centre)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_model()
+        self.center = nn.Parameter(torch.zeros(FEATURES), requires_grad=False)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.center.mul_(0.9).add_(inputs.mean(0), alpha=0.1)
+        return self.body(inputs - self.center)  # type: ignore[no-any-return]
+
+
+def _renormed_embedding() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(10, FEATURES, max_norm=0.5), nn.Flatten(), nn.Linear(12, 3))
+
+
+@pytest.mark.parametrize(
+    ("build", "parameter", "batches"),
+    [
+        (_CenteredFromData, "center", lambda: make_batches([8, 8])),
+        (
+            _renormed_embedding,
+            "0.weight",
+            lambda: [(torch.arange(8).view(4, 2) + k, torch.arange(4) % 3) for k in range(2)],
+        ),
+    ],
+)
+async def test_a_parameter_written_in_place_by_each_device_s_share_is_an_error(
+    build: Callable[[], nn.Module], parameter: str, batches: Callable[[], Any]
+) -> None:
+    # Each device wrote its copy by its own share: the replicas drifted apart, with no error,
+    # and the model saved was the first's (nn.Embedding(max_norm=...) 1.9 from a plain loop in
+    # a user's trial). Told after the fit's first step, naming the parameter.
+    trainer = Trainer(build(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    message = rf"after this fit's first step, parameter '{re.escape(parameter)}' differs"
+    with pytest.raises(asyncddp.AsyncDDPError, match=message + r".*\(register_buffer"):
+        await trainer.fit(batches(), epochs=1)
+    alone = Trainer(build(), SGD, loss_step, devices="cpu", progress_bar=False)
+    await alone.fit(batches(), epochs=1)  # one device: nothing to drift apart
+    assert alone.global_step == 2
+
+
+async def test_a_parameter_written_in_place_alike_on_every_device_trains() -> None:
+    # Clamping every weight in the step (a WGAN critic's clipping) writes each copy alike.
+    def clamped_step(model: nn.Module, batch: Any) -> torch.Tensor:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.clamp_(-0.1, 0.1)
+        return loss_step(model, batch)
+
+    trainer = Trainer(make_model(), SGD, clamped_step, devices=cpu_devices(2), progress_bar=False)
+    await trainer.fit(make_batches([8, 8]), epochs=2)
+    assert trainer.global_step == 4
+    assert_replicas_identical(trainer)
+
+
 async def test_a_channels_last_model_s_gradients_are_laid_out_as_its_weights() -> None:
     # Each .grad was a contiguous view into the flat buffers: on several devices torch warned
     # that the gradient layout contract was broken ("may impair performance"), every step.
