@@ -44,6 +44,7 @@ from ._exceptions import AsyncDDPRuntimeWarning as AsyncDDPRuntimeWarning
 from ._exceptions import AsyncDDPWarning as AsyncDDPWarning
 from ._exceptions import CheckpointError as CheckpointError
 from ._exceptions import ConfigurationError as ConfigurationError
+from ._exceptions import ConfigurationTypeError as ConfigurationTypeError
 from ._exceptions import DataError as DataError
 from ._exceptions import DeviceError as DeviceError
 from ._exceptions import DeviceTypeError as DeviceTypeError
@@ -78,6 +79,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointSaved",
     "ConfigurationError",
+    "ConfigurationTypeError",
     "DataError",
     "Device",
     "DeviceDropped",

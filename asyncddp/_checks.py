@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ._exceptions import AsyncDDPWarning, ConfigurationError
+from ._exceptions import AsyncDDPWarning, ConfigurationError, ConfigurationTypeError
 
 #: What ``torch.set_num_threads`` takes (a C int); more is an overflow inside the worker.
 MAX_THREADS = 2**31 - 1
@@ -35,7 +35,7 @@ def check_int(
     number = operator.index(value) if integral else None
     if number is None or number < low or (high is not None and number > high):
         span = f">= {low}" if high is None else f"from {low} to {high}"
-        raise ConfigurationError(
+        raise (ConfigurationError if integral else ConfigurationTypeError)(
             f"{name} must be an int {span}{' or None' if none else ''}, got {value!r}"
         )
     return number
@@ -49,7 +49,7 @@ def check_positive(name: str, value: Any, *, unit: str = "", none: bool = True) 
     real = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
     if not (real and not math.isnan(value) and value > 0):
         what = f"a positive number{f' of {unit}' if unit else ''}"
-        raise ConfigurationError(
+        raise (ConfigurationError if real else ConfigurationTypeError)(
             f"{name} must be {what}{' or None' if none else ''}, got {value!r}"
         )
     return float(value)
@@ -70,14 +70,14 @@ def check_bool(name: str, value: Any, *, none: bool = False) -> Any:
         isinstance(value, numbers.Integral) and value in (0, 1)
     ):
         return bool(value)
-    raise ConfigurationError(
+    raise (ConfigurationError if isinstance(value, numbers.Integral) else ConfigurationTypeError)(
         f"{name} must be True or False{' or None' if none else ''}, got {value!r}"
     )
 
 
 def check_path(name: str, value: Any) -> None:
     if value is not None and not isinstance(value, (str, os.PathLike)):
-        raise ConfigurationError(
+        raise ConfigurationTypeError(
             f"{name} must be a path (str or os.PathLike) or None, got {value!r}"
         )
 

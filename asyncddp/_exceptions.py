@@ -96,6 +96,12 @@ class ConfigurationError(AsyncDDPError, ValueError):
     """An argument to `Trainer` or ``fit`` cannot work (for example ``epochs=0``)."""
 
 
+class ConfigurationTypeError(ConfigurationError, TypeError):
+    """An argument is of a type that cannot work (for example a step that is not callable,
+    or ``epochs="3"``): caught by ``except TypeError`` as Python's own, and by ``except
+    ConfigurationError`` as every other argument asyncddp refuses."""
+
+
 class DataError(AsyncDDPError, ValueError):
     """Data yields no batch, or a batch cannot be split into shards.
 

@@ -69,6 +69,7 @@ from ._exceptions import (
     AsyncDDPError,
     AsyncDDPWarning,
     ConfigurationError,
+    ConfigurationTypeError,
     DataError,
     DeviceError,
     WorkerFailedError,
@@ -254,19 +255,21 @@ class Trainer(Resumable, Generic[M]):
     ) -> None:
         given: object = model  # as the types do not promise
         if isinstance(given, type) and issubclass(given, nn.Module):
-            raise ConfigurationError(
+            raise ConfigurationTypeError(
                 f"model must be a torch.nn.Module, got the class {given.__name__}: pass an "
                 f"instance, {given.__name__}(...)"
             )
         if not isinstance(given, nn.Module):
-            raise ConfigurationError(f"model must be a torch.nn.Module, got {type(given).__name__}")
+            raise ConfigurationTypeError(
+                f"model must be a torch.nn.Module, got {type(given).__name__}"
+            )
         _check_unwrapped(model)
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigurationError(
                 f"{type(model).__name__} has no trainable parameters (none requires grad)"
             )
         if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
-            raise ConfigurationError(
+            raise ConfigurationTypeError(
                 "optimizer must be a factory that makes one optimizer per replica, for example "
                 "functools.partial(torch.optim.SGD, lr=0.1), not "
                 + (
@@ -276,20 +279,24 @@ class Trainer(Resumable, Generic[M]):
                 )
             )
         if not callable(step):
-            raise ConfigurationError("step must be a function step(model, batch) -> loss")
+            raise ConfigurationTypeError(
+                f"step must be a function step(model, batch) -> loss, got {_shown(step)}"
+            )
         if valid_step is not None and not callable(valid_step):
-            raise ConfigurationError("valid_step must be a function valid_step(model, batch)")
+            raise ConfigurationTypeError(
+                f"valid_step must be a function valid_step(model, batch), got {_shown(valid_step)}"
+            )
         for name, function in (("step", step), ("valid_step", valid_step)):
             if function is None:
                 continue
             if inspect.iscoroutinefunction(function):
-                raise ConfigurationError(
+                raise ConfigurationTypeError(
                     f"{name} is an async function; it runs on each device's worker thread, "
                     "outside the event loop, so it must be a plain def (what you await is "
                     "fit())"
                 )
             if _makes_optimizers(function):
-                raise ConfigurationError(
+                raise ConfigurationTypeError(
                     f"{name} is {_shown(function)}, an optimizer factory; the arguments go "
                     "Trainer(model, optimizer, step), the step a function step(model, batch) "
                     "-> loss"
@@ -299,7 +306,7 @@ class Trainer(Resumable, Generic[M]):
             isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler)
             or not callable(lr_scheduler)
         ):
-            raise ConfigurationError(
+            raise ConfigurationTypeError(
                 "lr_scheduler must be a factory that makes one LR scheduler per replica from its "
                 "optimizer, for example functools.partial(torch.optim.lr_scheduler.StepLR, "
                 f"step_size=10), not {_shown(lr_scheduler)}"
@@ -1345,7 +1352,7 @@ def _check_takes_model_and_batch(name: str, function: Any) -> None:
         names = [p.name for p in signature.parameters.values()][:2]
         if names == ["batch", "batch_idx"]:  # Lightning's hook, bound: model would be its batch
             shown = getattr(function, "__qualname__", None) or repr(function)
-            raise ConfigurationError(
+            raise ConfigurationTypeError(
                 f"{name} {shown}(batch, batch_idx) is a LightningModule-style hook: the trainer "
                 f"would call it as {name}(model, batch), with the model as its batch. Write "
                 f"def {name}(model, batch): return loss, calling the model yourself (Lightning's "
@@ -1359,7 +1366,7 @@ def _check_takes_model_and_batch(name: str, function: Any) -> None:
         ],
         return_annotation=inspect.Signature.empty,
     )
-    raise ConfigurationError(
+    raise ConfigurationTypeError(
         f"{name} {shown}{plain} cannot be called as {name}(model, batch) ({error}): the "
         f"trainer calls it with the device's model and its share of the batch, as "
         f"def {name}(model, batch): return loss"

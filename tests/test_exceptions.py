@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import copy
 import pickle
+from typing import Any
 
 import pytest
+import torch
 
 import asyncddp
 import asyncddp.testing
@@ -22,6 +24,8 @@ CPU1 = cpu_devices(2)[1]
 
 
 def test_tree() -> None:
+    assert issubclass(asyncddp.ConfigurationTypeError, asyncddp.ConfigurationError)
+    assert issubclass(asyncddp.ConfigurationTypeError, TypeError)
     assert issubclass(DeviceError, AsyncDDPError)
     assert issubclass(DeviceError, ValueError)
     assert issubclass(DeviceTypeError, DeviceError)
@@ -33,6 +37,47 @@ def test_tree() -> None:
     assert issubclass(WorkerTimeoutError, WorkerFailedError)
     # Tracebacks name the public module, not the private one.
     assert WorkerFailedError.__module__ == "asyncddp"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: asyncddp.Trainer(42, torch.optim.SGD, _step),  # type: ignore[arg-type]
+        lambda: asyncddp.Trainer(torch.nn.Linear(2, 1), None, _step),  # type: ignore[arg-type]
+        lambda: asyncddp.Trainer(torch.nn.Linear(2, 1), torch.optim.SGD, 42),  # type: ignore[arg-type]
+        lambda: asyncddp.Trainer(torch.nn.Linear(2, 1), torch.optim.SGD, _async_step),
+        lambda: asyncddp.Trainer(
+            torch.nn.Linear(2, 1), torch.optim.SGD, _step, accumulate_grad_batches="2"
+        ),  # type: ignore[arg-type]
+        lambda: asyncddp.Trainer(torch.nn.Linear(2, 1), torch.optim.SGD, _step, checkpoint_dir=5),  # type: ignore[arg-type]
+        lambda: asyncddp.testing.failing_step(_step, device=0, times="1"),  # type: ignore[arg-type]
+    ],
+    ids=["model", "optimizer", "step", "async-step", "int-option", "path-option", "helper"],
+)
+def test_an_argument_of_the_wrong_type_is_a_type_error_and_a_configuration_error(
+    make: Any,
+) -> None:
+    # They were ConfigurationErrors (ValueErrors) alone, while the same mistake elsewhere
+    # (cpu_devices("2"), StepScheduler.run(42, ...)) was a TypeError: code catching either
+    # missed half of them, and failures.md and faults.md disagreed.
+    with pytest.raises(TypeError) as caught:
+        make()
+    assert isinstance(caught.value, asyncddp.ConfigurationError)
+    assert type(caught.value) is asyncddp.ConfigurationTypeError
+
+
+def _step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    return model(batch).sum()  # type: ignore[no-any-return]
+
+
+async def _async_step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    return model(batch).sum()  # type: ignore[no-any-return]
+
+
+def test_a_value_out_of_range_stays_a_value_error_alone() -> None:
+    with pytest.raises(asyncddp.ConfigurationError) as caught:
+        asyncddp.Trainer(torch.nn.Linear(2, 1), torch.optim.SGD, _step, accumulate_grad_batches=0)
+    assert not isinstance(caught.value, TypeError)
 
 
 def test_message_keeps_the_wording_users_search_for() -> None:
