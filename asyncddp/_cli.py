@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
+import warnings
 from collections.abc import Sequence
 
 import torch
 
-from ._devices import CPU_HINT, DeviceSpec, cpu_devices, resolve_devices
-from ._exceptions import AsyncDDPError
+from ._devices import CPU_HINT, Device, DeviceSpec, cpu_devices, resolve_devices
+from ._exceptions import AsyncDDPError, AsyncDDPWarning
 
 __all__ = ["main"]
 
@@ -29,6 +31,28 @@ def parse_devices(text: str) -> DeviceSpec:
     if text.lower() == "auto":
         return "cuda" if torch.cuda.is_available() else cpu_devices(2)
     return _number_or_name(text)
+
+
+def _resolved(spec: DeviceSpec, command: str) -> tuple[Device, ...]:
+    """``spec``'s devices; what resolving it warns of is printed as the command's own line,
+    its hint in the command line's terms (the warning names the Python API)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AsyncDDPWarning)
+        devices = resolve_devices(spec)
+    option = "--devices " if command == "demo" else ""
+    for warning in caught:
+        if not issubclass(warning.category, AsyncDDPWarning):
+            warnings.warn_explicit(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
+            continue
+        message = re.sub(
+            r"pass devices=asyncddp\.cpu_devices\((\d+)\) \(on the command line, --devices \d+\)",
+            rf"give {option}\1",
+            str(warning.message),
+        )
+        print(f"asyncddp {command}: warning: {message}", file=sys.stderr)
+    return devices
 
 
 def _number_or_name(text: str) -> int | str:
@@ -76,8 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         spec = parse_devices(args.devices if args.command == "demo" else args.spec)
+        devices = _resolved(spec, args.command)
         if args.command == "devices":
-            devices = resolve_devices(spec)
             for device in devices:
                 print(f"{device.index}: {device.name} ({device.torch_device})")
             if len({device.type for device in devices}) > 1:
@@ -93,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 2
         from ._demo import main as demo
 
-        asyncio.run(demo(spec, args.epochs, args.batch_size, args.progress))
+        asyncio.run(demo(devices, args.epochs, args.batch_size, args.progress))
     except (AsyncDDPError, ImportError) as error:
         # The errors' hint names the Python API; here the same thing is an option.
         option = "--devices " if args.command == "demo" else ""

@@ -91,6 +91,20 @@ def test_bad_devices_are_a_clear_error_and_exit_2(capsys: pytest.CaptureFixture[
     assert "--batch-size must be at least 1, got -3" in capsys.readouterr().err
 
 
+def test_a_spec_s_warning_is_the_command_s_own_line_in_its_terms(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # It came as a raw Python warning ("/.../bin/asyncddp:6: AsyncDDPWarning: ..." and the
+    # source line), with the demo's "--devices 2" as the hint of `asyncddp devices`, which
+    # takes the spec alone.
+    assert main(["devices", "cpu:1"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("asyncddp devices: warning: 'cpu:1' is the CPU, one worker")
+    assert "for 2 CPU workers, give 2," in err
+    assert "asyncddp.cpu_devices" not in err
+    assert "--devices" not in err
+
+
 def test_devices_command_lists_what_a_spec_resolves_to(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["devices", "3"]) == 0
     assert capsys.readouterr().out.splitlines() == [
