@@ -88,19 +88,30 @@ def items_in(batch: object) -> int:
         raise DataError(
             f"a batch must hold at least one tensor with a batch dimension (dim 0); got "
             f"{_describe(batch)}. Batches are tensors, or tuples, lists and dicts of tensors"
+            + (
+                ": make the numbers tensors in the collate_fn, padding sequences of different "
+                "lengths to one (torch.nn.utils.rnn.pad_sequence(..., batch_first=True))"
+                if _holds_numbers(batch)
+                else ""
+            )
         )
     if len(sizes) > 1:
         hint = (
             ". If a tuple or list in it holds one tensor per item (as collate_fn=lambda items: "
-            "tuple(zip(*items)) makes), it has no batch dimension: stack the items into tensors"
+            "tuple(zip(*items)) makes), it has no batch dimension: stack the items into tensors, "
+            "padding sequences of different lengths to one (torch.nn.utils.rnn.pad_sequence)"
             if _holds_tensor_runs(batch)
             else ". If it is one sample, not a batch (from a dataset iterated directly, or a "
             "DataLoader with batch_size=None), batch the samples: DataLoader(dataset, "
-            "batch_size=...)"
+            "batch_size=...). If a tensor in it is shared by every item, not a row for each "
+            "(a (T, T) attention mask, position ids of shape (1, T)), make it in the step, or "
+            "expand it to the batch size in the collate_fn"
         )
+        in_order = _sizes_in_order(batch)
+        shown = in_order if len(in_order) <= 8 else [*in_order[:8], "..."]
         raise DataError(
             f"the tensors of a batch must share their size along dim 0 (the batch dimension); "
-            f"got sizes {_sizes_in_order(batch)} in {_describe(batch)}{hint}"
+            f"got sizes {shown} in {_describe(batch)}{hint}"
         )
     return sizes.pop()
 
@@ -355,12 +366,35 @@ def _sizes_in_order(value: object) -> list[int]:
     return []
 
 
-def _describe(value: object) -> str:
+def _describe(value: object, depth: int = 0) -> str:
+    """What ``value`` holds, for an error: its tensors' shapes and its other values' types; a
+    long sequence shows its first entries and its length, and nesting stops at a depth (a
+    batch of 64 lists of 200 token ids came to 58,000 characters)."""
     if isinstance(value, torch.Tensor):
         return f"tensor of shape {tuple(value.shape)}"
+    if depth > 3 and isinstance(value, (Mapping, tuple, list)):
+        return f"{type(value).__name__} of {len(value)}"
     if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{k!r}: {_describe(v, depth + 1)}" for k, v in value.items()) + "}"
     if isinstance(value, (tuple, list)):
-        inner = ", ".join(_describe(item) for item in value)
+        shown = [_describe(item, depth + 1) for item in value[:3]]
+        if len(value) > 4:
+            shown.append(f"... {len(value)} in all")
+        elif len(value) == 4:
+            shown.append(_describe(value[3], depth + 1))
+        inner = ", ".join(shown)
         return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
     return type(value).__name__
+
+
+def _holds_numbers(value: object) -> bool:
+    """Whether ``value`` holds Python numbers in a list or tuple (token ids not yet tensors)."""
+    if isinstance(value, (tuple, list)):
+        return any(
+            (isinstance(item, (int, float, np.number)) and not isinstance(item, bool))
+            or _holds_numbers(item)
+            for item in value[:8]
+        )
+    if isinstance(value, Mapping):
+        return any(_holds_numbers(item) for item in list(value.values())[:8])
+    return False

@@ -651,7 +651,7 @@ class Epochs(DistributedSteps):
             if not isinstance(error.__cause__, (PeerFailed, RankLost)):
                 self._publish_failure(error, "raise")
             raise
-        check_counts(list(result.outputs), totals)
+        check_counts(list(result.outputs), totals, validation=True)
         for sums in result.outputs:
             totals.add(sums)
 

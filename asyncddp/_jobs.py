@@ -85,15 +85,22 @@ class Sums:
         }
 
 
-def check_counts(sums: list[Sums], earlier: Sums | None = None) -> None:
-    """Refuse a step whose devices (or its micro-steps: ``earlier``, the window's sums so far)
-    disagree on giving ``"items"``; sums of nothing (a device without data, a window with no
-    micro-step yet) count for neither."""
+def check_counts(
+    sums: list[Sums], earlier: Sums | None = None, *, validation: bool = False
+) -> None:
+    """Refuse a step whose devices (or its micro-steps: ``earlier``, the window's sums so far;
+    in ``validation``, the batches so far) disagree on giving ``"items"``; sums of nothing (a
+    device without data, a window with no micro-step yet) count for neither."""
     ran = [s for s in [*sums, earlier] if s is not None and (s.items or s.counted)]
     if any(s.counted for s in ran) and not all(s.counted for s in ran):
         raise StepOutputError(
-            "the step returned 'items' on some devices and not on others in the same optimizer "
-            "step; return it always, or never"
+            "the validation step returned 'items' for some batches (or devices' shares) and "
+            "not for others; return it always, or never: the loss and metrics are means over "
+            "every item, which cannot add counts to batch sizes"
+            if validation
+            else "the step returned 'items' for some shares of one optimizer step (the "
+            "devices' shares of a batch, or the batches accumulated into it) and not for "
+            "others; return it always, or never"
         )
 
 

@@ -61,6 +61,39 @@ def test_a_batch_of_per_item_tensors_is_told_to_stack_them() -> None:
     assert "per item" not in str(caught.value)
 
 
+def test_a_batch_of_token_lists_is_told_to_pad_them_in_few_words() -> None:
+    # 64 lists of about 200 token ids: a message of 58,000 characters ("int, int, ..."),
+    # which did not say to pad.
+    from asyncddp import DataError
+    from asyncddp._data import items_in
+
+    ragged = [list(range(150 + i % 5)) for i in range(64)]
+    with pytest.raises(DataError) as caught:
+        items_in(ragged)
+    message = str(caught.value)
+    assert len(message) < 600
+    assert "[[int, int, int, ... 150 in all], [int, int, int, ... 151 in all]" in message
+    assert "... 64 in all]" in message
+    assert "pad_sequence" in message
+    tensors = [torch.zeros(100 + i) for i in range(64)]  # 64 ragged tensors
+    with pytest.raises(DataError) as caught:
+        items_in({"input_ids": tensors, "labels": torch.zeros(64)})
+    message = str(caught.value)
+    assert len(message) < 700
+    assert "got sizes [100, 101, 102, 103, 104, 105, 106, 107, '...']" in message
+    assert "pad_sequence" in message
+
+
+def test_a_tensor_shared_by_every_item_is_told_to_be_made_in_the_step() -> None:
+    # A (T, T) causal mask beside the batch was told it was one sample, not a batch.
+    from asyncddp import DataError
+    from asyncddp._data import items_in
+
+    batch = {"input_ids": torch.zeros(4, 6), "mask": torch.ones(6, 6)}
+    with pytest.raises(DataError, match=r"shared by every item, .* make it in the step"):
+        items_in(batch)
+
+
 def test_a_sparse_coo_tensor_in_a_batch_is_split_and_other_sparse_layouts_are_refused() -> None:
     from asyncddp import DataError
     from asyncddp._data import split_batch

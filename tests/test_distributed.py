@@ -464,7 +464,7 @@ def test_a_step_that_counts_items_on_some_micro_steps_only_is_refused_on_every_r
 ) -> None:
     first, second = both_reports(f"counted-micro-steps{devices}", tmp_path)
     for report in (first, second):
-        assert "'items' on some devices and not on others" in report["error"]
+        assert "'items' for some shares of one optimizer step" in report["error"]
         assert report["global_step"] == 0
 
 
