@@ -639,9 +639,14 @@ def loss_and_metrics(
                 "or a comparison's result): return a floating-point loss, such as "
                 "F.cross_entropy(logits, targets)"
             )
+        ctx = current_worker()
         raise StepOutputError(
-            "the step's loss does not require grad: was it computed under torch.no_grad(), or "
-            "from detached tensors?"
+            f"the step's loss{f' on {ctx.device.name}' if ctx else ''} does not require grad: "
+            "was it computed under torch.no_grad(), or from detached tensors? Or does it "
+            "depend on the parameters only through a branch the data decides (if mask.any(): "
+            "...), which this share of the batch did not take? Each device's share must give "
+            "a loss that depends on them: write the branch as arithmetic (out + p * mask adds "
+            "nothing for an all-False mask)"
         )
     for name, value in metrics.items():
         if isinstance(value, torch.Tensor) and value.numel() != 1:

@@ -2580,6 +2580,27 @@ async def test_a_step_that_returns_no_scalar_loss_is_a_clear_error(step: Any, me
     assert trainer.global_step == 0
 
 
+async def test_a_loss_that_one_device_s_share_leaves_constant_names_the_device_and_the_branch() -> (
+    None
+):
+    # A data-dependent branch (if flagged.any(): ...) that one device's share did not take
+    # gave a loss with no gradient there, and the error asked about torch.no_grad() alone,
+    # naming no device, while a plain loop on the whole batch trained.
+    def branchy(model: nn.Module, batch: Any) -> torch.Tensor:
+        inputs, targets = batch
+        flagged = targets == 0
+        if flagged.any():
+            return F.cross_entropy(model(inputs[flagged]), targets[flagged])
+        return F.mse_loss(inputs, inputs)  # nothing to learn: no parameter in it
+
+    inputs = torch.randn(4, FEATURES, generator=torch.Generator().manual_seed(0))
+    targets = torch.tensor([0, 0, 1, 2])  # cpu#1's half holds no 0
+    trainer = Trainer(make_model(), SGD, branchy, devices=cpu_devices(2), progress_bar=False)
+    message = r"loss on cpu#1 does not require grad: .* a branch the data decides"
+    with pytest.raises(StepOutputError, match=message):
+        await trainer.fit([(inputs, targets)], epochs=1)
+
+
 async def test_a_validation_step_that_returns_no_loss_says_it_is_the_validation_step() -> None:
     def accuracy_only(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         inputs, targets = batch
