@@ -138,6 +138,12 @@ class Resumable(Epochs):
         self._window += 1
         self._last_iterator = None  # the loaded position is not that iterator's
         self._pending_state = dict(state)
+        if state.get("optimizer") is not None:
+            # Every replica will have the same parameters and optimizer state (load_state_dict
+            # loads them now; a resume, as its session starts), none a step not undone.
+            self._consistent = True
+            for replica in self._replicas:
+                replica.kept_step = False
 
     async def _snapshot(self) -> dict[str, Any]:
         n = len(self.devices)

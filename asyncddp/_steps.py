@@ -323,6 +323,16 @@ class Steps:
                     f"on_failure='drop' dropped a device for this error ({last}) in this step "
                     "already: it follows the batch (its data, or the step), not a device"
                 )
+            timed_out = isinstance(error, WorkerTimeoutError)
+            if action == "retry" and not self.atomic_steps and timed_out:
+                # Its late job may take its optimizer step when it returns, with no backup to
+                # undo it: the retry would go on from a step that global_step does not count.
+                action = "raise"
+                error.add_note(
+                    "on_failure='retry' does not retry a step that timed out with "
+                    "atomic_steps=False: its job may still take its optimizer step when it "
+                    "returns, which nothing could undo"
+                )
             if action == "raise" and self.on_failure == "retry" and attempt:
                 error.add_note(
                     f"on_failure='retry': this step failed {attempt + 1} times, its "

@@ -529,6 +529,12 @@ class StepBackup:
         except Exception:
             self._spare = reuse
 
+    def forget(self) -> None:
+        """Drop every copy: with ``atomic_steps`` turned off since, an undo must not find a
+        backup of an earlier step and put the model a step back."""
+        self.forget_ahead()
+        self._saved = self._ahead = self._spare = None
+
     def forget_ahead(self) -> None:
         """Drop a copy made ahead (the tensors may change in ways it cannot tell)."""
         if self._ahead is not None:

@@ -816,6 +816,8 @@ class Trainer(Resumable, Generic[M]):
                 lazy module's: run one forward first, as ``fit`` says); or a call of this
                 trainer runs in another thread's event loop (call it there), or runs while
                 this is called from inside a step (on a worker thread).
+            AsyncDDPError: a failed step's optimizer step could not be undone
+                (``atomic_steps=False``): the state would hold a step not counted.
 
         Warns:
             AsyncDDPWarning: during a fit, the loader thread was still inside a ``next()``
@@ -824,6 +826,7 @@ class Trainer(Resumable, Generic[M]):
                 the event loop).
         """
         self._refuse_other_loop("state_dict()", waits=False)
+        self._refuse_if_inconsistent()  # a state that puts it a step on, unsaid
         if self._session_kind is not None and self._window_open:
             raise ConfigurationError(
                 "state_dict() cannot read the state while a step of fit() is in progress (its "
@@ -897,10 +900,6 @@ class Trainer(Resumable, Generic[M]):
             pending, self._pending_state = self._pending_state, None
             for replica in self._replicas:
                 load_into(replica, pending or state)
-        if state.get("optimizer") is not None:
-            self._consistent = True  # every replica has the same parameters and optimizer state
-            for replica in self._replicas:
-                replica.kept_step = False
 
     # -- sessions: workers and replicas ----------------------------------------------------
 
@@ -924,15 +923,7 @@ class Trainer(Resumable, Generic[M]):
             error.threads = list(self._stragglers)  # type: ignore[attr-defined]
             raise error
         self._check_queued_undos()  # their threads have exited
-        if not self._consistent or any(replica.kept_step for replica in self._replicas):
-            self._consistent = False
-            raise AsyncDDPError(
-                "a failed or timed-out step's optimizer step could not be undone on some "
-                "replicas (atomic_steps=False keeps no copy to undo it with, or its undo "
-                "failed): they hold a step that global_step does not count, and may differ "
-                "from each other; call load_state_dict() with a state saved after a step "
-                "(state_dict() or a checkpoint) first"
-            )
+        self._refuse_if_inconsistent()
         last = _LAST_CALLER.get(self._source)
         other = last() if last is not None else None
         if other is not None and other is not self and other._uses_its_model():
@@ -976,6 +967,8 @@ class Trainer(Resumable, Generic[M]):
                     await self._regroup()
                 for replica in self._replicas:  # changed through .data since? (no worker runs)
                     replica.backup.forget_ahead()
+                    if not self.atomic_steps:  # turned off since a backup was taken
+                        replica.backup.forget()
                 if self._pending_state is not None:
                     # Loaded before the replicas were built: only now is there an optimizer to
                     # check the state's parameter groups against (the position is taken).
@@ -1013,6 +1006,18 @@ class Trainer(Resumable, Generic[M]):
     def _uses_its_model(self) -> bool:
         """Whether a call of this trainer runs, or a thread one left behind does."""
         return self._session_kind is not None or any(t.is_alive() for t in self._stragglers)
+
+    def _refuse_if_inconsistent(self) -> None:
+        """Refuse to go on from, or to save, replicas that hold a step not undone."""
+        if not self._consistent or any(replica.kept_step for replica in self._replicas):
+            self._consistent = False
+            raise AsyncDDPError(
+                "a failed or timed-out step's optimizer step could not be undone on some "
+                "replicas (atomic_steps=False keeps no copy to undo it with, or its undo "
+                "failed): they hold a step that global_step does not count, and may differ "
+                "from each other; call load_state_dict() with a state saved after an earlier "
+                "step (a checkpoint, or state_dict() from before the failure) first"
+            )
 
     def _check_queued_undos(self) -> None:
         """Once the threads left behind have exited: did the undos queued behind their hung
