@@ -41,7 +41,7 @@ from ._jobs import ExchangeWork, Sums, TrainWork, exchange_gradients
 from ._loop import current_waker
 from ._ranks import rank_view, set_sampler_epoch
 from ._steps import Steps, Window, phase_from_jobs, shard_items
-from ._sync import bucket_layout
+from ._sync import bucket_layout, grad_layout
 from ._worker import WorkerContext
 
 __all__ = ["DistributedSteps", "collective", "for_other_trainers_call"]
@@ -223,6 +223,11 @@ class DistributedSteps(Steps):
             "on_failure": str(self.on_failure),
             "buffers": str([(tuple(b.shape), b.dtype) for b in model.buffers()]),
             "frozen": str(frozen),
+            # A weight laid out otherwise on some rank (channels_last) orders its gradient so
+            # in the flat buffers, which the ranks sum element by element.
+            "memory layouts": str(
+                [(i, s) for i, p in enumerate(params) if (s := grad_layout(p)) is not None]
+            ),
             **self._optimizer_settings(model),
         }
         comm = Comm(self.devices, len(params), fingerprint, call=call)

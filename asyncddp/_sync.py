@@ -181,9 +181,17 @@ def _grad_view(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     where that layout is dense (a ``channels_last`` convolution's weight), as autograd lays
     out a gradient and as DDP's buckets do: a contiguous ``.grad`` of a channels-last weight
     made torch warn that the gradient layout contract was broken, in every step."""
+    strides = grad_layout(param)
+    return flat.view_as(param) if strides is None else flat.as_strided(param.size(), strides)
+
+
+def grad_layout(param: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides of ``param``'s gradient in the flat buffers, where they are not the
+    row-major ones: across processes every rank's must be the same, as the ranks sum the
+    buffers element by element (see `Comm.setup`'s fingerprint)."""
     if param.is_contiguous() or not _dense(param):
-        return flat.view_as(param)
-    return flat.as_strided(param.size(), param.stride())
+        return None
+    return tuple(param.stride())
 
 
 def _dense(tensor: torch.Tensor) -> bool:

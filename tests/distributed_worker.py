@@ -515,6 +515,12 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
             lr_scheduler_interval="step" if rank == 1 else "epoch",
         )
         report["error"] = await refusal(t.fit(batches(), epochs=1))
+    elif scenario == "layout-differs":  # rank 1's first weight laid out column-major
+        t = trainer(1)
+        if rank == 1:
+            linear = t.model[0]
+            linear.weight = torch.nn.Parameter(linear.weight.detach().t().contiguous().t())
+        report["error"] = await refusal(t.fit(batches(), epochs=1))
     elif scenario == "precision-differs":  # rank 1 under bf16 autocast
         t = trainer(1, precision="bf16" if rank == 1 else "32")
         report["error"] = await refusal(t.fit(batches(), epochs=1))

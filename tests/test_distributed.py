@@ -777,6 +777,9 @@ def test_every_rank_takes_rank_0s_batchnorm_statistics(tmp_path: Path, devices: 
         # Not compared before: the first two trained apart; the third trained on.
         ("interval-differs", "lr_scheduler_interval: step on rank 1, epoch on rank 0"),
         ("precision-differs", "autocast: bfloat16 on rank 1, off on rank 0"),
+        # Each rank's gradients lie in its flat buffers as its weights do: summed element by
+        # element, the ranks' models parted silently (0.23 apart, a review's two ranks).
+        ("layout-differs", "memory layouts: [(0, (1, 16))] on rank 1, [] on rank 0"),
         # Not compared before: both trained, each on its part of its own batches, rank 1's
         # batches of 8 overlapping rank 0's of 12, some samples trained on by neither.
         ("batch-size-differs", "different train_data: this rank's is a DataLoader of "),
