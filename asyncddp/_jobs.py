@@ -386,13 +386,15 @@ class Jobs:
             owner, name = stray
             raise StepOutputError(
                 f"the backward on {ctx.device.name} wrote a gradient into {owner.device.name}'s "
-                f"copy of the model (parameter {name!r}): the model keeps a function that "
+                f"copy of the model (parameter {name!r}): the step uses a module of "
+                "trainer.model from outside it (head = net.head, kept by the script: use "
+                "model.head of the step's model), or the model keeps a function that "
                 "refers to its own modules or parameters (a lambda kept as an attribute, "
                 "self.act = lambda x: x * self.alpha; a hook made by a lambda that calls "
-                "other modules), and each device's copy of the model (copy.deepcopy) shares "
-                "that function, so it uses the first copy's parameters. Make it a method or a "
-                "module of its own (a method, bound to its module, is copied with it), or "
-                "pass what it needs as arguments"
+                "other modules), which each device's copy of the model (copy.deepcopy) shares, "
+                "so it uses the first copy's parameters. Make it a method or a module of its "
+                "own (a method, bound to its module, is copied with it), or pass what it needs "
+                "as arguments"
             )
         replica.grads.attach()  # in case the step replaced a .grad
         items = work.items if counted is None else counted

@@ -152,7 +152,7 @@ class Replica:
         accumulated into its parameters, ever (see `_UsedFlags`). Forgets a gradient this
         thread put into another replica before (see `stray_gradient`)."""
         self._used.thread = threading.get_ident()
-        _strays.param = None
+        _strays.params = None
         return self._used.marks
 
     @property
@@ -216,17 +216,17 @@ def stray_gradient(replicas: list[Replica], own: Replica) -> tuple[Replica, str]
     modules) shares that function with its copies, which ``copy.deepcopy`` does not copy: every
     device's forward then uses the first replica's parameters there, and its backward writes
     into that replica's gradients from another thread, racing its own step."""
-    stray = getattr(_strays, "param", None)
-    if stray is None:
+    strays = getattr(_strays, "params", None)
+    if strays is None:
         return None
-    _strays.param = None
-    flags, param = stray
-    for replica in replicas:
-        # (Not a replica of another trainer given the same module, whose hooks it holds too.)
-        if replica is not own and replica._used is flags:
-            for name, mine in replica.model.named_parameters(remove_duplicate=False):
-                if mine is param:
-                    return replica, name
+    _strays.params = None
+    for flags, param in strays:
+        for replica in replicas:
+            # (Not a replica of another trainer given the same module: it holds their hooks.)
+            if replica is not own and replica._used is flags:
+                for name, mine in replica.model.named_parameters(remove_duplicate=False):
+                    if mine is param:
+                        return replica, name
     return None
 
 
@@ -249,7 +249,10 @@ class _UsedFlags:
         if threading.get_ident() == self.thread or current_worker() is None:
             self.marks += 1
         else:  # another worker's backward reached this replica (see `stray_gradient`)
-            _strays.param = (self, param)
+            strays = getattr(_strays, "params", None)
+            if strays is None:
+                strays = _strays.params = []
+            strays.append((self, param))
 
 
 class BufferSlots:

@@ -2710,6 +2710,32 @@ async def test_a_model_keeping_a_function_over_its_own_parameters_is_a_clear_err
     assert alone.global_step == 2
 
 
+async def test_a_stray_gradient_is_seen_past_another_trainer_s_hooks_on_the_module() -> None:
+    # Another trainer given the same module holds hooks on its parameters too: its mark
+    # overwrote the stray this trainer's check looks for, and the race went unseen.
+    model = _ScaledBySelf()
+    first = Trainer(model, SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    second = Trainer(model, SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    await first.validate(make_batches([8]))
+    await second.validate(make_batches([8]))  # its hooks come after the first's
+    with pytest.raises(StepOutputError, match=r"wrote a gradient into cpu#0's copy"):
+        await first.fit(make_batches([8, 8]), epochs=1)
+
+
+async def test_a_step_that_uses_a_module_of_the_model_from_outside_is_told_so() -> None:
+    model = make_model()
+    head = model[2]  # kept by the script
+
+    def step(replica: nn.Module, batch: Any) -> torch.Tensor:
+        inputs, targets = batch
+        return F.cross_entropy(head(replica[1](replica[0](inputs))), targets)
+
+    trainer = Trainer(model, SGD, step, devices=cpu_devices(2), progress_bar=False)
+    message = r"the step uses a module of trainer\.model from outside it"
+    with pytest.raises(StepOutputError, match=message):
+        await trainer.fit(make_batches([8, 8]), epochs=1)
+
+
 async def async_batches() -> Any:
     for batch in make_batches([4]):
         yield batch
