@@ -107,10 +107,20 @@ class Resumable(Epochs):
         data_seed = _entry(state, "data_seed", int)
         world = _entry(state, "world_size", int, default=1)
         items_ref = _entry(state, "items_ref", float)
-        if self._scaler is not None and state.get("loss_scaler"):
-            _entry(state, "loss_scaler", self._scaler.load_state_dict)
-        if state.get("rng") is not None:
-            _entry(state, "rng", _checkpoint.restore_rng)
+        # The loss scale and the generators are taken whole or not at all: a state whose rng
+        # entry fails half way (its NumPy part) had set torch's and Python's generators.
+        scale = self._scaler.state_dict() if self._scaler is not None else None
+        generators = _checkpoint.capture_rng()
+        try:
+            if self._scaler is not None and state.get("loss_scaler"):
+                _entry(state, "loss_scaler", self._scaler.load_state_dict)
+            if state.get("rng") is not None:
+                _entry(state, "rng", _checkpoint.restore_rng)
+        except CheckpointError:
+            _checkpoint.restore_rng(generators)
+            if self._scaler is not None and scale is not None:
+                self._scaler.load_state_dict(scale)
+            raise
         if not self._replicas:
             self._source.load_state_dict(state["model"])
             # The replicas are copied from the source: loading the model again as they are

@@ -30,7 +30,6 @@ What the trainer does across ranks:
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import socket
 from dataclasses import dataclass
@@ -72,6 +71,10 @@ class World:
         return self.rank == 0
 
 
+#: The longest ``init(timeout=...)``: ``datetime.timedelta`` overflows past about 8.6e13 s.
+_LONGEST_TIMEOUT = 1e9
+
+
 def init(backend: str | None = None, *, timeout: float | None = None) -> World:
     """Join the process group described by the ``torchrun`` environment.
 
@@ -105,10 +108,10 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
     """
     if timeout is not None:
         timeout = check_positive("timeout", timeout, unit="seconds", none=False)
-        if math.isinf(timeout):
+        if timeout > _LONGEST_TIMEOUT:  # inf too; torch counts it in milliseconds, in 64 bits
             raise ConfigurationError(
-                "timeout must be a finite number of seconds (None for torch's default: "
-                "10 minutes for NCCL, 30 for gloo), got inf"
+                f"timeout must be at most {_LONGEST_TIMEOUT:.0e} seconds (about 30 years; None "
+                f"for torch's default: 10 minutes for NCCL, 30 for gloo), got {timeout!r}"
             )
     if dist.is_initialized():
         joined = str(dist.get_backend())  # "gloo", or a device's own, "cpu:gloo,cuda:nccl"

@@ -200,6 +200,23 @@ async def test_a_state_with_an_entry_that_cannot_be_read_is_refused_whole(
     assert (trainer.epoch, trainer.global_step) == (1, 3)
 
 
+async def test_a_state_whose_generators_cannot_be_read_leaves_them_as_they_were() -> None:
+    # Its rng entry's NumPy part failed after torch's and Python's generators were set.
+    import random
+
+    donor = make_trainer(2)
+    await donor.fit(batches(), epochs=1)
+    state = donor.state_dict()
+    state["rng"] = {**state["rng"], "numpy": "not a state"}
+    trainer = make_trainer(2)
+    torch.rand(3), random.random()  # elsewhere than the donor's (seeded alike)
+    torch_before, python_before = torch.get_rng_state(), random.getstate()
+    with pytest.raises(CheckpointError, match=r"the state's 'rng' entry cannot be read"):
+        trainer.load_state_dict(state)
+    assert torch.equal(torch.get_rng_state(), torch_before)
+    assert random.getstate() == python_before
+
+
 async def test_a_state_that_fits_still_loads_whole() -> None:
     donor = make_trainer(2)
     await donor.fit(batches(), epochs=2)

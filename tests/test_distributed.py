@@ -1594,7 +1594,8 @@ def test_init_refuses_an_environment_that_describes_no_process_group_at_once(
         (0, r"timeout must be a positive number of seconds, got 0"),
         (-5, r"got -5"),
         ("60", r"got '60'"),
-        (float("inf"), r"timeout must be a finite number of seconds \(None for torch's"),
+        (float("inf"), r"timeout must be at most 1e\+09 seconds \(about 30 years; None for"),
+        (1e15, r"at most 1e\+09 seconds .* got 1000000000000000.0"),  # bare OverflowError
     ],
 )
 def test_init_refuses_a_timeout_that_is_no_time_limit(
