@@ -23,7 +23,7 @@ from typing_extensions import TypeVar
 from ._checks import warn_user
 from ._devices import Device
 from ._exceptions import ConfigurationError, StepOutputError
-from ._sync import FlatGrads, StepBackup
+from ._sync import FlatGrads, StepBackup, grad_layout
 from ._worker import current_worker
 
 __all__ = [
@@ -86,6 +86,10 @@ class Replica:
         self.built_modules = sum(1 for _ in model.modules())
         self.buffer_slots = BufferSlots(model)
         self.built_layouts = [_layout(p) for p in self.built_params]
+        # How each one's gradient lies in the flat buffers (`grad_layout`), alike on every
+        # replica: a memory format changed since on the first alone would sum mismatched
+        # elements (check_rebuilt).
+        self.built_grad_layouts = [grad_layout(p) for p in self.built_params]
         self.grads = FlatGrads(self.params, 1, 0, loose=True)  # until regroup() says
         self.backup = StepBackup()
         #: The optimizer step (by apply id) this replica took and may have to undo.
@@ -338,12 +342,20 @@ def check_rebuilt(first: Replica) -> None:
     names = {id(p): name for name, p in first.model.named_parameters()}
     if len(now) != len(built):
         _refuse(f"it had {len(built)} parameters, and has {len(now)} now")
-    for param, was, layout in zip(now, built, first.built_layouts, strict=True):
+    for param, was, layout, strides in zip(
+        now, built, first.built_layouts, first.built_grad_layouts, strict=True
+    ):
         if param is was:
             if _layout(param) != layout:  # cast in place: model.double(), .half()
                 _refuse(
                     f"{names[id(param)]} was cast or resized in place (model.double(), "
                     ".half(), .to(...)): cast the model before building its Trainer"
+                )
+            if id(param) in trained and grad_layout(param) != strides:
+                _refuse(
+                    f"{names[id(param)]} is laid out otherwise in memory "
+                    "(model.to(memory_format=torch.channels_last)): set the memory format "
+                    "before building its Trainer"
                 )
             continue
         if id(was) in trained:

@@ -325,6 +325,32 @@ async def test_a_model_cast_in_place_between_fits_is_refused_before_any_step(dev
 
 
 @pytest.mark.parametrize("devices", [1, 2])
+async def test_a_memory_format_changed_between_fits_is_refused_before_any_step(
+    devices: int,
+) -> None:
+    # The first replica's gradients then lay in the flat buffers channels-last, the others'
+    # not, and the reduction summed mismatched elements (0.03 from a plain loop; on GPUs,
+    # which compare no replicas, silently).
+    def convnet() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(64, 3))
+
+    generator = torch.Generator().manual_seed(1)
+    images = [
+        (torch.randn(8, 3, 6, 6, generator=generator), torch.randint(0, 3, (8,))) for _ in range(2)
+    ]
+    trainer = trainer_on(devices, convnet())
+    await trainer.fit(images, epochs=1)
+    trainer.model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    with pytest.raises(ConfigurationError, match=r"0\.weight is laid out otherwise in memory"):
+        await trainer.fit(images, epochs=2)
+    assert trainer.global_step == 2
+    trainer.model.to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
+    await trainer.fit(images, epochs=2)
+    assert trainer.global_step == 4
+
+
+@pytest.mark.parametrize("devices", [1, 2])
 async def test_a_buffer_registered_between_fits_is_refused_on_any_number_of_devices(
     devices: int,
 ) -> None:
