@@ -71,8 +71,9 @@ class World:
         return self.rank == 0
 
 
-#: The longest ``init(timeout=...)``: ``datetime.timedelta`` overflows past about 8.6e13 s.
-_LONGEST_TIMEOUT = 1e9
+#: The longest ``init(timeout=...)``, in seconds: torch's store takes it in milliseconds, as a
+#: C int (``1e15`` overflowed there).
+_LONGEST_TIMEOUT = 2e6
 
 
 def init(backend: str | None = None, *, timeout: float | None = None) -> World:
@@ -94,11 +95,12 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
             machine NCCL is then taken only when asked for. With NCCL the processes compare
             their GPUs before any collective, and all refuse to go on if two share one.
         timeout: Seconds a collective may wait for the other ranks before it fails (torch's
-            default when ``None``: 10 minutes for NCCL, 30 for gloo). Failures of a rank are
+            default when ``None``: 10 minutes for NCCL, 30 for gloo), from 0.001 to 2e6 (23
+            days: torch counts it in milliseconds, as a C int). Failures of a rank are
             reported much sooner: see the module's description.
 
     Raises:
-        ConfigurationError: ``timeout`` is not a positive, finite number of seconds; the
+        ConfigurationError: ``timeout`` is not a number of seconds from 0.001 to 2e6; the
             environment variables are missing (not launched by
             ``torchrun``) or do not describe a process group (``RANK`` not below
             ``WORLD_SIZE``, a value that is not a number), ``backend`` is unknown, or NCCL
@@ -108,10 +110,10 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> World:
     """
     if timeout is not None:
         timeout = check_positive("timeout", timeout, unit="seconds", none=False)
-        if timeout > _LONGEST_TIMEOUT:  # inf too; torch counts it in milliseconds, in 64 bits
+        if not 0.001 <= timeout <= _LONGEST_TIMEOUT:  # torch counts it in whole milliseconds
             raise ConfigurationError(
-                f"timeout must be at most {_LONGEST_TIMEOUT:.0e} seconds (about 30 years; None "
-                f"for torch's default: 10 minutes for NCCL, 30 for gloo), got {timeout!r}"
+                f"timeout must be from 0.001 to {_LONGEST_TIMEOUT:.0e} seconds (None for "
+                f"torch's default: 10 minutes for NCCL, 30 for gloo), got {timeout!r}"
             )
     if dist.is_initialized():
         joined = str(dist.get_backend())  # "gloo", or a device's own, "cpu:gloo,cuda:nccl"
