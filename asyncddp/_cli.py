@@ -36,9 +36,16 @@ def parse_devices(text: str) -> DeviceSpec:
 def _resolved(spec: DeviceSpec, command: str) -> tuple[Device, ...]:
     """``spec``'s devices; what resolving it warns of is printed as the command's own line,
     its hint in the command line's terms (the warning names the Python API)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", AsyncDDPWarning)
-        devices = resolve_devices(spec)
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", AsyncDDPWarning)
+            return resolve_devices(spec)
+    finally:  # a spec that warns and then fails (cpu:1,cpu:2) shows both
+        _print_warnings(caught, command)
+
+
+def _print_warnings(caught: list[warnings.WarningMessage], command: str) -> None:
     option = "--devices " if command == "demo" else ""
     for warning in caught:
         if not issubclass(warning.category, AsyncDDPWarning):
@@ -52,7 +59,6 @@ def _resolved(spec: DeviceSpec, command: str) -> tuple[Device, ...]:
             str(warning.message),
         )
         print(f"asyncddp {command}: warning: {message}", file=sys.stderr)
-    return devices
 
 
 def _number_or_name(text: str) -> int | str:

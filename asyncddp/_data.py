@@ -9,6 +9,7 @@ strings); other leaves (numbers, strings, 0-dim tensors) are handed to every sha
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sized
 from typing import Any, cast
 
@@ -89,8 +90,8 @@ def items_in(batch: object) -> int:
             f"a batch must hold at least one tensor with a batch dimension (dim 0); got "
             f"{_describe(batch)}. Batches are tensors, or tuples, lists and dicts of tensors"
             + (
-                ": make the numbers tensors in the collate_fn, padding sequences of different "
-                "lengths to one (torch.nn.utils.rnn.pad_sequence(..., batch_first=True))"
+                ": make the numbers (or arrays) tensors in the collate_fn, padding sequences of "
+                "different lengths to one (torch.nn.utils.rnn.pad_sequence(..., batch_first=True))"
                 if _holds_numbers(batch)
                 else ""
             )
@@ -108,10 +109,12 @@ def items_in(batch: object) -> int:
             "expand it to the batch size in the collate_fn"
         )
         in_order = _sizes_in_order(batch)
-        shown = in_order if len(in_order) <= 8 else [*in_order[:8], "..."]
+        shown = ", ".join(map(str, in_order[:8])) + (
+            f", ... {len(in_order)} in all" if len(in_order) > 8 else ""
+        )
         raise DataError(
             f"the tensors of a batch must share their size along dim 0 (the batch dimension); "
-            f"got sizes {shown} in {_describe(batch)}{hint}"
+            f"got sizes [{shown}] in {_describe(batch)}{hint}"
         )
     return sizes.pop()
 
@@ -375,7 +378,11 @@ def _describe(value: object, depth: int = 0) -> str:
     if depth > 3 and isinstance(value, (Mapping, tuple, list)):
         return f"{type(value).__name__} of {len(value)}"
     if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{k!r}: {_describe(v, depth + 1)}" for k, v in value.items()) + "}"
+        first = itertools.islice(value.items(), 8)
+        entries = [f"{k!r}: {_describe(v, depth + 1)}" for k, v in first]
+        if len(value) > 8:
+            entries.append(f"... {len(value)} in all")
+        return "{" + ", ".join(entries) + "}"
     if isinstance(value, (tuple, list)):
         shown = [_describe(item, depth + 1) for item in value[:3]]
         if len(value) > 4:
@@ -387,14 +394,19 @@ def _describe(value: object, depth: int = 0) -> str:
     return type(value).__name__
 
 
-def _holds_numbers(value: object) -> bool:
-    """Whether ``value`` holds Python numbers in a list or tuple (token ids not yet tensors)."""
+def _holds_numbers(value: object, depth: int = 0) -> bool:
+    """Whether ``value`` holds numbers in a list or tuple (token ids, or NumPy arrays, not
+    yet tensors), looking a few levels down."""
+    if isinstance(value, np.ndarray):
+        return True
+    if depth > 3:
+        return False
     if isinstance(value, (tuple, list)):
         return any(
             (isinstance(item, (int, float, np.number)) and not isinstance(item, bool))
-            or _holds_numbers(item)
+            or _holds_numbers(item, depth + 1)
             for item in value[:8]
         )
     if isinstance(value, Mapping):
-        return any(_holds_numbers(item) for item in list(value.values())[:8])
+        return any(_holds_numbers(item, depth + 1) for item in itertools.islice(value.values(), 8))
     return False

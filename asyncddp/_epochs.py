@@ -454,11 +454,12 @@ class Epochs(DistributedSteps):
             await self._compare_replicas("this fit's first step")
 
     async def _compare_replicas(self, after: str) -> None:
-        """Refuse to go on from replicas whose parameters differ (CPU devices only; none across
-        processes: see `Jobs.differs`). A step that writes a parameter in place writes each
-        device's copy by that device's share of the batch (``nn.Embedding(max_norm=...)``
-        renormalizing the rows it looks up; a frozen parameter the forward updates from the
-        data): the copies drift apart with no error, and the model saved is the first's."""
+        """Refuse to go on from replicas whose parameters differ (CPU devices only; across
+        processes, each process's own: see `Jobs.differs`). A step that writes a parameter in
+        place writes each device's copy by that device's share of the batch
+        (``nn.Embedding(max_norm=...)`` renormalizing the rows it looks up; a frozen
+        parameter the forward updates from the data): the copies drift apart with no error,
+        and the model saved is the first's."""
         if len(self._replicas) < 2 or any(d.torch_device.type != "cpu" for d in self.devices):
             return
         result = await self._scheduler_run(

@@ -128,8 +128,9 @@ class FlatGrads:
         the ``.grad`` tensor itself (torch's ``Module._apply``: ``param.grad.data = ...``):
         the view object stays ``param.grad`` but no longer lies in the buffer, the backward
         wrote where the reduction did not read, and that replica parted from the others. The
-        new views are the ``.grad`` of their parameters (values are not kept: a step's window
-        zeroes them as it opens)."""
+        new views are the ``.grad`` of their parameters; the values the old ones held (the last
+        step's reduced gradients) are not kept: the next step's window zeroes them as it opens,
+        and no window is open as a call starts."""
         self._views = [(param, _grad_view(flat, param)) for param, flat in self._places]
         for param, view in self._views:
             param.grad = view

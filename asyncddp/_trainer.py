@@ -520,7 +520,12 @@ class Trainer(Resumable, Generic[M]):
         Raises:
             WorkerFailedError: a device failed (after any retries); no replica's parameters
                 were changed by the failed step.
-            StepOutputError: the step returned no scalar loss.
+            StepOutputError: the step returned no scalar loss, or, on several CPU devices,
+                a backward wrote into another device's copy of the model.
+            AsyncDDPError: on several CPU devices, the copies' parameters differ after the
+                fit's first step or at an epoch's end (a forward writing a parameter in
+                place, by each device's share); or a failed step's optimizer step could not
+                be undone (``atomic_steps=False``).
             DataError: the data yields no batch, or a batch cannot be split, or it is an
                 iterator (a generator, say), which can be read once, and more than one epoch
                 is to run, or a map-style ``Dataset`` (pass a ``DataLoader`` over it).

@@ -103,6 +103,10 @@ def test_a_spec_s_warning_is_the_command_s_own_line_in_its_terms(
     assert "for 2 CPU workers, give 2," in err
     assert "asyncddp.cpu_devices" not in err
     assert "--devices" not in err
+    assert main(["devices", "cpu:1,cpu:2"]) == 2  # it warns, then fails: both shown
+    err = capsys.readouterr().err
+    assert "asyncddp devices: warning: 'cpu:1' is the CPU" in err
+    assert "device cpu is given twice" in err
 
 
 def test_devices_command_lists_what_a_spec_resolves_to(capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,6 +4,7 @@ import re
 import threading
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, MutableMapping
+from typing import Any
 
 import anyio
 import numpy as np
@@ -80,8 +81,27 @@ def test_a_batch_of_token_lists_is_told_to_pad_them_in_few_words() -> None:
         items_in({"input_ids": tensors, "labels": torch.zeros(64)})
     message = str(caught.value)
     assert len(message) < 700
-    assert "got sizes [100, 101, 102, 103, 104, 105, 106, 107, '...']" in message
+    assert "got sizes [100, 101, 102, 103, 104, 105, 106, 107, ... 65 in all]" in message
     assert "pad_sequence" in message
+
+
+def test_a_batch_described_in_an_error_stays_short_whatever_its_shape() -> None:
+    # A dict of 5,000 entries made a 104,000-character message; lists nested past the
+    # interpreter's recursion limit raised RecursionError while the message was made.
+    from asyncddp import DataError
+    from asyncddp._data import items_in
+
+    with pytest.raises(DataError) as caught:
+        items_in({f"feature{i}": 1.0 for i in range(5000)})
+    assert len(str(caught.value)) < 600
+    assert "... 5000 in all}" in str(caught.value)
+    deep: list[Any] = [1]
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(DataError):
+        items_in(deep)
+    with pytest.raises(DataError, match="make the numbers \\(or arrays\\) tensors"):
+        items_in([np.zeros(3), np.zeros(4)])
 
 
 def test_a_tensor_shared_by_every_item_is_told_to_be_made_in_the_step() -> None:

@@ -1651,6 +1651,22 @@ async def test_a_parameter_written_in_place_by_each_device_s_share_is_an_error(
     assert alone.global_step == 2
 
 
+async def test_replicas_that_part_after_the_first_step_are_told_at_the_epoch_s_end() -> None:
+    def parts_at_step_1(model: nn.Module, batch: Any) -> torch.Tensor:
+        ctx = asyncddp.current_worker()
+        if ctx is not None and ctx.step == 1:  # each device its own way, after the first step
+            with torch.no_grad():
+                model[0].bias[0] += ctx.device.index
+        return loss_step(model, batch)
+
+    trainer = Trainer(
+        make_model(), SGD, parts_at_step_1, devices=cpu_devices(2), progress_bar=False
+    )
+    with pytest.raises(asyncddp.AsyncDDPError, match=r"after epoch 0, parameter '0\.bias'"):
+        await trainer.fit(make_batches([8, 8, 8]), epochs=1, valid_data=make_batches([8]))
+    assert trainer.epoch == 0  # not closed: the next fit compares again
+
+
 async def test_a_parameter_written_in_place_alike_on_every_device_trains() -> None:
     # Clamping every weight in the step (a WGAN critic's clipping) writes each copy alike.
     def clamped_step(model: nn.Module, batch: Any) -> torch.Tensor:
