@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ._checks import warn_user
+from ._checks import clipped, warn_user
 from ._exceptions import CheckpointError, ConfigurationError
 
 _log = logging.getLogger("asyncddp")
@@ -254,8 +254,7 @@ def _unreadable(source: Path, exc: Exception) -> CheckpointError:
             + ("; it is a Git LFS pointer: fetch the file itself, git lfs pull" if lfs else "")
         )
     text = str(exc).strip()
-    first = text.splitlines()[0] if text else ""
-    first = first if len(first) <= 160 else f"{first[:157]}..."
+    first = clipped(text.splitlines()[0], 160) if text else ""
     return CheckpointError(
         f"checkpoint {str(source)!r} cannot be read; it is truncated or corrupt "
         f"({type(exc).__name__}{': ' + first if first else ''}). Resume from an earlier "

@@ -82,6 +82,11 @@ def check_path(name: str, value: Any) -> None:
         )
 
 
+def clipped(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters, ending ``...`` where it was cut."""
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
 def warn_user(message: str, category: type[AsyncDDPWarning] = AsyncDDPWarning) -> None:
     """``warnings.warn`` at the user's line that called into asyncddp (``await trainer.fit(...)``;
     a coroutine's caller is its frame's ``f_back`` while it runs), however deep in the library

@@ -46,19 +46,25 @@ def _resolved(spec: DeviceSpec, command: str) -> tuple[Device, ...]:
 
 
 def _print_warnings(caught: list[warnings.WarningMessage], command: str) -> None:
-    option = "--devices " if command == "demo" else ""
     for warning in caught:
         if not issubclass(warning.category, AsyncDDPWarning):
             warnings.warn_explicit(
                 warning.message, warning.category, warning.filename, warning.lineno
             )
             continue
-        message = re.sub(
-            r"pass devices=asyncddp\.cpu_devices\((\d+)\) \(on the command line, --devices \d+\)",
-            rf"give {option}\1",
-            str(warning.message),
-        )
+        message = _in_command_terms(str(warning.message), command)
         print(f"asyncddp {command}: warning: {message}", file=sys.stderr)
+
+
+def _in_command_terms(message: str, command: str) -> str:
+    """An error's or warning's hint, which names the Python API, as the command's option."""
+    option = "--devices " if command == "demo" else ""
+    message = message.replace(CPU_HINT, f"give {option}cpu#0,cpu#1 for two CPU workers")
+    return re.sub(
+        r"pass devices=asyncddp\.cpu_devices\((\d+)\) \(on the command line, --devices \d+\)",
+        rf"give {option}\1",
+        message,
+    )
 
 
 def _number_or_name(text: str) -> int | str:
@@ -125,9 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         asyncio.run(demo(devices, args.epochs, args.batch_size, args.progress))
     except (AsyncDDPError, ImportError) as error:
-        # The errors' hint names the Python API; here the same thing is an option.
-        option = "--devices " if args.command == "demo" else ""
-        message = str(error).replace(CPU_HINT, f"give {option}cpu#0,cpu#1 for two CPU workers")
+        message = _in_command_terms(str(error), args.command)
         print(f"asyncddp {args.command}: {message}", file=sys.stderr)
         return 2 if isinstance(error, ValueError) else 1
     except KeyboardInterrupt:

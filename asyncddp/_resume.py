@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import _checkpoint
-from ._checks import warn_user
+from ._checks import clipped, warn_user
 from ._dsteps import collective
 from ._epochs import EpochRecord, Epochs
 from ._events import CheckpointSaved
@@ -303,8 +303,7 @@ def _entry(
     try:
         return read(value)
     except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as error:
-        shown = repr(value)
-        shown = shown if len(shown) <= 60 else f"{shown[:57]}..."
+        shown = clipped(repr(value), 60)
         raise CheckpointError(
             f"the state's {name!r} entry cannot be read ({type(error).__name__}: {error}): it "
             f"holds {shown}. The trainer's position, weights and optimizer are as they were"

@@ -350,7 +350,7 @@ class Steps:
                 )
             self._publish_failure(error, action)
             if action == "raise":
-                if not isinstance(error, WorkerTimeoutError):  # a hung device cannot undo
+                if not timed_out:  # a hung device cannot undo
                     await self._abandon_quietly()
                 raise error
             if action == "drop":

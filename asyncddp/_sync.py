@@ -117,21 +117,24 @@ class FlatGrads:
                 self._places.append((param, buffer[offset : offset + param.numel()]))
                 offset += param.numel()
             self.buffers.append(buffer)
-        self._views = [(param, _grad_view(flat, param)) for param, flat in self._places]
+        self._views = self._made_views()
         # This replica's reduced chunks across processes (see reduce_scatter): made there.
         self.scratch: list[torch.Tensor] = []
         self.attach()
 
+    def _made_views(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        return [(param, _grad_view(flat, param)) for param, flat in self._places]
+
     def rebind(self) -> None:
-        """Make each ``.grad`` view into the buffers anew (they hold no values between steps).
-        A cast in place of the model, ``model.double()`` then ``.float()``, sets the data of
-        the ``.grad`` tensor itself (torch's ``Module._apply``: ``param.grad.data = ...``):
-        the view object stays ``param.grad`` but no longer lies in the buffer, the backward
-        wrote where the reduction did not read, and that replica parted from the others. The
-        new views are the ``.grad`` of their parameters; the values the old ones held (the last
-        step's reduced gradients) are not kept: the next step's window zeroes them as it opens,
-        and no window is open as a call starts."""
-        self._views = [(param, _grad_view(flat, param)) for param, flat in self._places]
+        """Make each ``.grad`` view into the buffers anew. A cast in place of the model,
+        ``model.double()`` then ``.float()``, sets the data of the ``.grad`` tensor itself
+        (torch's ``Module._apply``: ``param.grad.data = ...``): the view object stays
+        ``param.grad`` but no longer lies in the buffer, the backward wrote where the
+        reduction did not read, and that replica parted from the others. The new views are the
+        ``.grad`` of their parameters; the values the old ones held (the last step's reduced
+        gradients) are not kept: the next step's window zeroes them as it opens, and no window
+        is open as a call starts."""
+        self._views = self._made_views()
         for param, view in self._views:
             param.grad = view
 
@@ -541,7 +544,6 @@ class StepBackup:
     def forget(self) -> None:
         """Drop every copy: with ``atomic_steps`` turned off since, an undo must not find a
         backup of an earlier step and put the model a step back."""
-        self.forget_ahead()
         self._saved = self._ahead = self._spare = None
 
     def forget_ahead(self) -> None:
