@@ -31,6 +31,7 @@ every scratch chunk into each replica's buffer (peers read scratch buffers, neve
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 from collections.abc import Iterable, Sequence
@@ -368,6 +369,24 @@ def all_gather(replicas: Sequence[FlatGrads], index: int, coefficient: float) ->
                 target.copy_(source)
 
 
+_PLAIN = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy of an optimizer state's or a param group's value that is not a tensor, for a
+    backup: a number or a string as it is (nothing changes it in place), a container (a list of
+    tensors, a dict of statistics, a custom optimizer's object) copied deeply, as a step may
+    change it in place. Something that cannot be copied is kept as it is."""
+    if isinstance(value, _PLAIN) or (
+        type(value) is tuple and all(isinstance(item, _PLAIN) for item in value)  # betas
+    ):
+        return value
+    try:
+        return copy.deepcopy(value)
+    except Exception:
+        return value
+
+
 @dataclass
 class _Copy:
     """Copies of parameters and optimizer state tensors, and what they were copied from."""
@@ -399,12 +418,13 @@ class _Copy:
         )
 
     def refresh(self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
-        """Take the state's non-tensor values (a step count, say) as they are now."""
+        """Take the state's non-tensor values (a step count, a list of statistics) as they
+        are now."""
         for param, state in zip(params, self.state, strict=True):
             if state is not None:
                 for key, value in optimizer.state[param].items():
                     if not isinstance(value, torch.Tensor):
-                        state[key] = value
+                        state[key] = _snapshot(value)
 
 
 def _fits(buffer: torch.Tensor, value: torch.Tensor) -> bool:
@@ -470,7 +490,7 @@ def _copy_tensors(
             states.append(None)
             continue
         previous = reuse.state[i] if reuse is not None and i < len(reuse.state) else None
-        copy: dict[str, Any] = {}
+        kept: dict[str, Any] = {}
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 if track:
@@ -480,10 +500,10 @@ def _copy_tensors(
                     buffer = torch.empty_like(value, memory_format=torch.contiguous_format)
                 targets.append(buffer)
                 values.append(value.detach())
-                copy[key] = buffer
+                kept[key] = buffer
             else:
-                copy[key] = value
-        states.append(copy)
+                kept[key] = _snapshot(value)
+        states.append(kept)
     if part is None:
         torch._foreach_copy_(targets, values)
     else:
@@ -505,6 +525,9 @@ class _Saved:
     tensors: _Copy
     groups: list[dict[str, Any]]
     scheduler: dict[str, Any] | None
+    # The optimizer state's entries under keys that are not these parameters (a custom
+    # optimizer's global step count, say; torch's state_dict saves them too), copied.
+    extra: dict[Any, Any]
     # A capture in parts (see StepBackup.capture): every part's backup, this one's included,
     # held weakly: held so, the backups of a step's replicas kept each other in a cycle that
     # outlived their trainer until the cycle collector ran (GBs of copies in a sweep of
@@ -587,6 +610,7 @@ class StepBackup:
             tensors,
             groups,
             scheduler.state_dict() if scheduler is not None else None,
+            {key: _snapshot(value) for key, value in _extra_state(optimizer)},
             tuple(map(weakref.ref, peers)),
         )
 
@@ -633,7 +657,7 @@ class StepBackup:
                     del live[key]
             for key, value in state.items():
                 if not isinstance(value, torch.Tensor):
-                    live[key] = value
+                    live[key] = _snapshot(value)  # the saved copy stays as it was
                     continue
                 target = live.get(key)
                 if not isinstance(target, torch.Tensor) or not _fits(target, value):
@@ -644,6 +668,11 @@ class StepBackup:
                 torch._foreach_copy_(targets, _saved_tensors(saved.tensors))
             else:
                 self._restore_parts(saved.peers, targets)
+        for key, _ in _extra_state(optimizer):
+            if key not in saved.extra:
+                del optimizer.state[key]
+        for key, value in saved.extra.items():
+            optimizer.state[key] = _snapshot(value)
         for group, hyper in zip(optimizer.param_groups, saved.groups, strict=True):
             restore_group_settings(group, hyper)
         if scheduler is not None and saved.scheduler is not None:
@@ -651,12 +680,21 @@ class StepBackup:
         return True
 
 
+def _extra_state(optimizer: torch.optim.Optimizer) -> list[tuple[Any, Any]]:
+    """The optimizer state's entries under keys that are not tensors (none in torch's own
+    optimizers; a custom one's ``self.state["global"]``), which torch's ``state_dict`` saves
+    as they are."""
+    return [
+        (key, value) for key, value in optimizer.state.items() if not isinstance(key, torch.Tensor)
+    ]
+
+
 def group_settings(group: dict[str, Any]) -> dict[str, Any]:
     """A param group's settings, which an optimizer or LR scheduler step may change (``lr``;
     ``momentum`` or ``betas`` in a cycle), with tensors copied: a tensor ``lr`` is changed in
     place (``fill_``)."""
     return {
-        key: value.clone() if isinstance(value, torch.Tensor) else value
+        key: value.clone() if isinstance(value, torch.Tensor) else _snapshot(value)
         for key, value in group.items()
         if key != "params"
     }
@@ -670,4 +708,4 @@ def restore_group_settings(group: dict[str, Any], saved: dict[str, Any]) -> None
         if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
             current.copy_(value)
         else:
-            group[key] = value
+            group[key] = _snapshot(value)
