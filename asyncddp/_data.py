@@ -2,8 +2,9 @@
 
 A batch is a tensor, or a tuple, list or dict of them (nested), with the items along dim 0, as
 ``torch.utils.data.default_collate`` makes them. Tensors with a batch dimension are split, and
-so are text fields (a list or tuple of one string an item, as ``default_collate`` makes of
-strings); other leaves (numbers, strings, 0-dim tensors) are handed to every shard as they are.
+so are per-item fields (a list or tuple of one entry an item holding no tensor, as
+``default_collate`` makes of strings); other values (numbers, strings, 0-dim tensors, lists
+that are not one entry an item) are handed to every shard as they are.
 """
 
 from __future__ import annotations
@@ -151,9 +152,11 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
 
     Shard sizes differ by one at most; when the batch has fewer items than ``parts``, the last
     shards are empty (0 items). The shards are views (a sparse COO tensor's are copies). A
-    sparse tensor of another layout is refused (`DataError`). A list or tuple of
-    strings (or bytes) as long as the batch is split with it: one per item, as
-    ``default_collate`` makes of a text field. Any other value goes whole to every shard.
+    sparse tensor of another layout is refused (`DataError`). A list or tuple as long as the
+    batch that holds no tensor, and not numbers alone, is split with it: one entry per item
+    (strings, as ``default_collate`` makes of a text field, some of them ``None``; each item's
+    words). Any other value goes whole to every shard, and a list or tuple holding no tensor
+    is not looked into.
     """
     if parts == 1:
         return [batch]  # the one shard is the batch itself (its callers have checked it)
@@ -182,8 +185,11 @@ def _slice(value: Any, start: int, stop: int, size: int) -> Any:
         )
     if isinstance(value, Mapping):
         return _same_mapping(value, {k: _slice(v, start, stop, size) for k, v in value.items()})
-    if isinstance(value, (tuple, list)) and _per_item_text(value, size):
-        return value[start:stop]
+    if isinstance(value, (tuple, list)):
+        if _per_item(value, size):
+            return value[start:stop]
+        if not _holds_tensor(value):
+            return value  # not one entry an item: whole, and not looked into
     if isinstance(value, tuple):
         sliced = [_slice(item, start, stop, size) for item in value]
         return type(value)(*sliced) if hasattr(value, "_fields") else tuple(sliced)
@@ -212,13 +218,17 @@ def _same_mapping(value: Mapping[Any, Any], items: dict[Any, Any]) -> Mapping[An
     return items
 
 
-def _per_item_text(value: list[Any] | tuple[Any, ...], size: int) -> bool:
-    """Whether ``value`` is a text field of a batch of ``size`` items: a plain list or tuple of
-    that many strings (or bytes), one per item."""
+def _per_item(value: list[Any] | tuple[Any, ...], size: int) -> bool:
+    """Whether ``value`` holds one entry per item of a batch of ``size`` items: a plain list or
+    tuple of that many entries, with no tensor in them at any depth (a text field, as
+    ``default_collate`` makes of strings; a field that is ``None`` for some items; each item's
+    list of words; each item's dict of metadata), and not numbers alone (a (height, width)
+    pair, which ``default_collate`` would have made a tensor if it were one per item)."""
     return (
         type(value) in (list, tuple)
         and len(value) == size
-        and all(isinstance(item, (str, bytes)) for item in value)
+        and not all(isinstance(item, (int, float, complex)) for item in value)
+        and not _holds_tensor(value)
     )
 
 

@@ -39,6 +39,30 @@ def test_count_items(shard: object, items: int) -> None:
     assert count_items(shard) == items
 
 
+def test_per_item_fields_are_split_with_their_items_whatever_their_entries() -> None:
+    # A reference list with a None in it went whole to every device, beside its share of
+    # the tensors (a step zipping ids and references paired them wrongly); each item's word
+    # list went whole too, and one as long as the batch was cut across the devices.
+    from asyncddp._data import split_batch
+
+    batch = {
+        "ids": torch.arange(4),
+        "refs": ["r0", None, "r2", 3],
+        "words": [["a", "b"], ["w0", "w1", "w2", "w3"], ["c"], ["d", "e", "f"]],
+        "meta": [{"source": "x"}, {}, {"source": "y"}, {}],
+        "size": (224, 224, 3, 3),  # numbers alone: whole, though as long as the batch
+        "tags": ["train", ["a", "b", "c", "d"]],  # not one entry an item: whole, not looked into
+    }
+    first, second = split_batch(batch, 2)
+    assert second["ids"].tolist() == [2, 3]
+    assert second["refs"] == ["r2", 3]
+    assert second["words"] == [["c"], ["d", "e", "f"]]
+    assert first["words"] == [["a", "b"], ["w0", "w1", "w2", "w3"]]
+    assert second["meta"] == [{"source": "y"}, {}]
+    assert first["size"] is second["size"] is batch["size"]
+    assert first["tags"] is second["tags"] is batch["tags"]
+
+
 def test_a_batch_whose_tensors_differ_in_dim_0_names_their_sizes_in_order() -> None:
     from asyncddp import DataError
     from asyncddp._data import items_in

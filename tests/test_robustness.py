@@ -471,20 +471,40 @@ def test_a_truncated_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
 
 # -- fuzzed batch splitting ------------------------------------------------------------------
 
-leaves = st.sampled_from(["tensor", "scalar", "string", "texts", "none"])
+leaves = st.sampled_from(
+    ["tensor", "scalar", "string", "texts", "none", "mixed", "words", "numbers", "pair", "nested"]
+)
 
 
 @st.composite
-def batches(draw: Any) -> tuple[Any, int]:
+def batches(draw: Any) -> tuple[Any, int, dict[int, bool]]:
+    """A batch of ``size`` items, and for the id of each leaf that is a list or tuple whether
+    it is a per-item field: one entry an item, holding no tensor and not numbers alone, which
+    ``split_batch`` splits with the items (every other leaf goes whole to every shard)."""
     size = draw(st.integers(0, 40))
+    per_item: dict[int, bool] = {}
 
     def leaf(kind: str) -> Any:
         if kind == "tensor":
             width = draw(st.integers(1, 3))
             return torch.arange(size * width, dtype=torch.float32).reshape(size, width)
+        value: Any
         if kind == "texts":  # a text field, one string an item, as default_collate makes it
-            return [f"item {i}" for i in range(size)]
-        return {"scalar": torch.tensor(3.0), "string": "meta", "none": None}[kind]
+            value = [f"item {i}" for i in range(size)]
+        elif kind == "mixed":  # a field some items lack
+            value = [None if i % 3 == 0 else f"ref {i}" for i in range(size)]
+        elif kind == "words":  # each item's words; item 1 has as many as the batch has items
+            value = [[f"w{j}" for j in range(size if i == 1 else i % 3)] for i in range(size)]
+        elif kind == "numbers":  # ids of a collate_fn's own: whole, as a (height, width) pair
+            value = list(range(size))
+        elif kind == "pair":
+            value = (224, 224)
+        elif kind == "nested":  # a tag and a list as long as the batch: not one entry an item
+            value = ["tag", [f"x{i}" for i in range(size)]]
+        else:
+            return {"scalar": torch.tensor(3.0), "string": "meta", "none": None}[kind]
+        per_item[id(value)] = bool(size) and len(value) == size and kind not in ("numbers", "pair")
+        return value
 
     shape = draw(
         st.recursive(
@@ -508,40 +528,63 @@ def batches(draw: Any) -> tuple[Any, int]:
             return leaf("tensor")  # at least one tensor with a batch dimension
         return leaf(node)
 
-    return build(shape), size
+    return build(shape), size, per_item
+
+
+def holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        value = list(value.values())
+    return isinstance(value, (tuple, list)) and any(map(holds_tensor, value))
+
+
+def one_entry_an_item(value: Any, size: int) -> bool:
+    """The documented rule (training.md, Data): a list or tuple as long as the batch that holds
+    no tensor, and not numbers alone."""
+    return (
+        isinstance(value, (tuple, list))
+        and len(value) == size > 0
+        and not all(isinstance(entry, (int, float)) for entry in value)
+        and not holds_tensor(value)
+    )
 
 
 def paired_leaves(batch: Any, shards: list[Any], size: int) -> Iterator[tuple[Any, list[Any]]]:
-    """Each leaf of a batch of ``size`` items (a text field, see ``split_batch``, is one) with
-    what each shard holds in its place."""
+    """Each leaf of a batch (a per-item field, or a list holding no tensor, is one) with what
+    each shard holds in its place."""
     if isinstance(batch, dict):
         for key in batch:
             yield from paired_leaves(batch[key], [shard[key] for shard in shards], size)
-    elif isinstance(batch, (tuple, list)) and not (
-        len(batch) == size and all(isinstance(child, str) for child in batch)
-    ):
+    elif isinstance(batch, (tuple, list)) and holds_tensor(batch):
         for index, child in enumerate(batch):
             yield from paired_leaves(child, [shard[index] for shard in shards], size)
     else:
         yield batch, shards
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(batches(), st.integers(1, 9))
-def test_splitting_any_batch_keeps_every_item_once(case: tuple[Any, int], parts: int) -> None:
-    batch, size = case
+def test_splitting_any_batch_keeps_every_item_once(
+    case: tuple[Any, int, dict[int, bool]], parts: int
+) -> None:
+    # A per-item field with a None in it, or holding each item's words, went whole to every
+    # device (and a word list as long as the batch was cut across them).
+    batch, size, per_item = case
     shards = split_batch(batch, parts)
     counts = [items_in(shard) for shard in shards]
     assert sum(counts) == size
     assert max(counts) - min(counts) <= 1
     assert counts == sorted(counts, reverse=True)  # the larger shards first, as tensor_split
     for original, pieces in paired_leaves(batch, shards, size):
+        if id(original) in per_item:  # the generator's own account of its leaves agrees
+            assert one_entry_an_item(original, size) == per_item[id(original)]
         if isinstance(original, torch.Tensor) and original.dim() > 0:
             assert torch.equal(torch.cat(pieces), original)
-        elif isinstance(original, (tuple, list)):  # a text field: split with the items
+        elif one_entry_an_item(original, size) and parts > 1:  # split with the items
             assert [len(piece) for piece in pieces] == counts
-            assert [text for piece in pieces for text in piece] == list(original)
-        else:
+            assert [entry for piece in pieces for entry in piece] == list(original)
+        elif parts > 1:
             assert all(piece is original for piece in pieces)  # handed to every shard as is
 
 

@@ -383,7 +383,7 @@ def test_a_restore_puts_back_state_held_in_lists_and_under_other_keys(ahead: boo
     assert backup.restore(params, optimizer, None)
     assert stats_state(optimizer) == before
     assert all(torch.equal(p, w) for p, w in zip(params, weights, strict=True))
-    train_step(model, optimizer)  # the restored lists are copies: a step leaves the backup as it was
+    train_step(model, optimizer)  # the restored lists are copies: the backup stays as it was
     assert backup.restore(params, optimizer, None)
     assert stats_state(optimizer) == before
 
