@@ -94,6 +94,7 @@ class Epochs(DistributedSteps):
     _loading: Prefetcher | None  # the epoch's loader, while it runs (stop() wakes its wait)
     _left_loading: Prefetcher | None  # the epoch's loader, closed inside a call into the data
     _epoch_rng: dict[str, Any] | None
+    _epoch_shared: bool  # another trainer of this process trained as the epoch drew its order
     _loader_rng: dict[str, Any] | None
     _resumed_loader_rng: dict[str, Any] | None
     _epoch_sums: Sums
@@ -193,6 +194,21 @@ class Epochs(DistributedSteps):
         self._count_left_loading()
 
     @staticmethod
+    def _warn_replay_shared(data: object, epoch: int, skip: int) -> None:
+        """A continued epoch replays an order drawn from torch's global generator, which
+        another trainer of this process draws from as well."""
+        warn_user(
+            f"continuing epoch {epoch} after its first {skip} batch(es) replays its shuffle "
+            "order from torch's global generator, and another Trainer of this process "
+            "trains meanwhile (or did as the epoch started), drawing from that generator too "
+            "(its dropout, its own shuffling): the order replayed may not be the interrupted "
+            "one, training some batches twice and others never, and the replay's rewind of "
+            "the generator repeats the other trainer's draws. Give each trainer's DataLoader a "
+            "generator of its own: DataLoader(..., generator=torch.Generator().manual_seed(seed))",
+            AsyncDDPRuntimeWarning,
+        )
+
+    @staticmethod
     def _warn_shorter(data: object, epoch: int, batches: int, skip: int) -> None:
         """A continued epoch's data ended before the batches it had trained on."""
         warn_user(
@@ -205,6 +221,16 @@ class Epochs(DistributedSteps):
 
     async def _train_epoch(self, data: Iterable[Any], epochs: int) -> bool:
         """Train on the epoch's batches (or the rest of them); False when ``stop()`` came first."""
+        shared = any(trainer is not self for trainer in _TRAINING)
+        _TRAINING.add(self)
+        try:
+            return await self._run_train_epoch(data, epochs, shared)
+        finally:
+            _TRAINING.discard(self)
+
+    async def _run_train_epoch(self, data: Iterable[Any], epochs: int, shared: bool) -> bool:
+        """`_train_epoch`, ``shared`` telling whether another trainer of this process is
+        training meanwhile."""
         # Before the generators are captured or put back below: a loader an earlier call
         # left inside a call into this data may still draw from them; so may the loader of
         # the epoch this continues, whatever data it read (a new DataLoader over the same
@@ -234,6 +260,8 @@ class Epochs(DistributedSteps):
             # before and none of its batches was trained on (a fit cancelled in its first step,
             # or a checkpoint from then): start it again as it started, the generators
             # included, whatever the loader of the cancelled start drew since.
+            if skip and (shared or self._epoch_shared) and _order_from_global(data):
+                self._warn_replay_shared(data, epoch, skip)
             if skip:
                 # The loader thread loads as many batches as the interrupted run's had, drawing
                 # what it drew (augmentation in the main process), then puts the generators
@@ -265,6 +293,7 @@ class Epochs(DistributedSteps):
                 _checkpoint.restore_loader_rng(data, self._resumed_loader_rng)
             self._epoch_rng = _checkpoint.capture_rng(data)
             self._epoch_rng["new_iterator"] = _checkpoint.draws_base_seed(view)
+            self._epoch_shared = shared
             skip, self._batches_loaded, self._left_loading = 0, None, None
         self._resumed_loader_rng = None
         tracked = [d.name for d in self.devices] + [
@@ -683,6 +712,20 @@ class _NoBar:
 
 
 _NO_BAR = _NoBar()
+
+#: The trainers of this process in a training epoch (see `_train_epoch`).
+_TRAINING: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _order_from_global(data: object) -> bool:
+    """Whether ``data`` is a ``DataLoader`` whose sampler draws its order from torch's global
+    generator: a ``RandomSampler`` (or another that takes a ``generator``) given none."""
+    if not isinstance(data, torch.utils.data.DataLoader):
+        return False
+    sampler = getattr(data.batch_sampler, "sampler", None)
+    if sampler is None:
+        sampler = data.sampler
+    return hasattr(sampler, "generator") and sampler.generator is None
 
 
 def _interactive() -> bool:

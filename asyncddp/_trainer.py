@@ -371,6 +371,9 @@ class Trainer(Resumable, Generic[M]):
         self._loading: Prefetcher | None = None  # while an epoch trains (see stop())
         self._left_loading: Prefetcher | None = None  # closed inside next() (see _epochs)
         self._epoch_rng: dict[str, Any] | None = None  # the RNG state the epoch started with
+        # Whether another trainer of this process was training as this epoch drew its order
+        # (the replay of a continued epoch may then draw another: `_train_epoch`).
+        self._epoch_shared = False
         # The states of the loader's own generators when the last epoch ended (saved in
         # checkpoints), and those a checkpoint loaded, put into the loader the next epoch starts.
         self._loader_rng: dict[str, Any] | None = None

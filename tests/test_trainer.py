@@ -1241,6 +1241,46 @@ async def test_stop_ends_fit_at_the_next_step_and_fit_continues_from_there() -> 
     assert_close(trainer.model, expected)
 
 
+@pytest.mark.parametrize("own_generator", [False, True])
+async def test_continuing_an_epoch_beside_another_trainer_warns_if_its_order_is_the_global_ones(
+    own_generator: bool,
+) -> None:
+    # The replay rewinds torch's global generator and redraws the order from it, while the
+    # other trainer's dropout draws from it too: the continued epoch trained 11 to 19 of 64
+    # samples twice and as many never, in 7 of 12 cuts (a trial), without a word. A loader
+    # with a generator of its own replays exactly.
+    from torch.utils.data import DataLoader, TensorDataset
+
+    inputs, targets = make_batches([32])[0]
+    generator = torch.Generator().manual_seed(0) if own_generator else None
+    loader = DataLoader(
+        TensorDataset(inputs, targets), batch_size=4, shuffle=True, generator=generator
+    )
+    other = Trainer(
+        nn.Sequential(nn.Linear(FEATURES, 8), nn.Dropout(0.5), nn.Linear(8, 3)),
+        SGD,
+        loss_step,
+        progress_bar=False,
+    )
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    async with anyio.create_task_group() as group:
+        group.start_soon(functools.partial(other.fit, make_batches([4] * 50), epochs=1000))
+        await anyio.sleep(0.05)  # the other trainer is training
+        assert (await fit_until_stopped(trainer, loader, epochs=1, at_step=2)).stopped
+        if own_generator:
+            await trainer.fit(loader, epochs=1)
+        else:
+            with pytest.warns(asyncddp.AsyncDDPRuntimeWarning, match="another Trainer") as seen:
+                await trainer.fit(loader, epochs=1)
+            assert "generator=torch.Generator()" in str(seen[0].message)
+        other.stop()
+    assert trainer.epoch == 1
+    alone = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    loader.generator = None
+    assert (await fit_until_stopped(alone, loader, epochs=1, at_step=2)).stopped
+    await alone.fit(loader, epochs=1)  # alone: no warning
+
+
 @pytest.mark.parametrize("devices", [1, 2])
 @pytest.mark.parametrize("on", [EpochEnded, ValidationEnded])
 async def test_stop_from_an_epoch_end_consumer_runs_no_step_of_the_next_epoch(
