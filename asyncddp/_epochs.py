@@ -40,7 +40,7 @@ from ._jobs import Jobs, Sums, check_counts
 from ._loader import ENDED, GAVE_UP, Prefetcher, after_left_behind
 from ._progress import ProgressTracker
 from ._ranks import batch_count, data_mark, in_memory, rank_items_total_off_loop
-from ._replica import Replica
+from ._replica import Replica, check_copies
 from ._scheduler import StepScheduler
 from ._steps import Window, shard_items
 from ._sync import group_settings, restore_group_settings
@@ -488,7 +488,9 @@ class Epochs(DistributedSteps):
         place writes each device's copy by that device's share of the batch
         (``nn.Embedding(max_norm=...)`` renormalizing the rows it looks up; a frozen
         parameter the forward updates from the data): the copies drift apart with no error,
-        and the model saved is the first's."""
+        and the model saved is the first's. Their parts are compared on every kind of device
+        (`check_copies`)."""
+        check_copies(self._replicas)
         if len(self._replicas) < 2 or any(d.torch_device.type != "cpu" for d in self.devices):
             return
         result = await self._scheduler_run(

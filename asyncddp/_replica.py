@@ -12,7 +12,7 @@ import itertools
 import numbers
 import operator
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, TypeAlias, cast
 
 import numpy as np
@@ -388,6 +388,32 @@ def check_rebuilt(first: Replica) -> None:
 
 def _layout(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device]:
     return tensor.shape, tensor.dtype, tensor.device
+
+
+def check_copies(replicas: Sequence[Replica]) -> None:
+    """Refuse replicas that are no longer made of the parts each was built with: a module that
+    makes a parameter, buffer or submodule in its forward (the first time a batch holds some
+    kind of item) makes it on the devices whose share held such an item only, and the copies
+    then differ in their parts (the first's is saved and checkpointed; a parameter made
+    elsewhere is not reduced). Names only: cheap at an epoch's end and before each call."""
+    for replica in replicas:
+        what = None
+        if sum(1 for _ in replica.model.parameters()) != len(replica.built_params):
+            what = "a parameter"
+        elif sum(1 for _ in replica.model.modules()) != replica.built_modules:
+            what = "a module"
+        elif [name for _, name in slots_of(replica.model)] != replica.buffer_slots.names():
+            what = "a buffer"
+        if what is not None:
+            raise ConfigurationError(
+                f"the model's copy on {replica.device} gained or lost {what} since the "
+                "Trainer built it: a forward that makes a part of the model (self.extra = "
+                "nn.Linear(...), register_buffer) the first time a batch holds some kind of "
+                "item does so on the devices whose share holds one, and the copies differ. "
+                "Make every part in the module's __init__ (a flag or an empty buffer the "
+                "forward fills in), or run the model once on such a batch before building "
+                "the Trainer"
+            )
 
 
 def _refuse(what: str) -> NoReturn:

@@ -61,6 +61,7 @@ from ._replica import (
     OptimizerFactory,
     Replica,
     SchedulerFactory,
+    check_copies,
     check_rebuilt,
     lives_on,
     move_to,
@@ -177,6 +178,7 @@ class Steps:
 
             await self._run_all(move_back, phase="setup")
         check_rebuilt(first)
+        check_copies(self._replicas[1:])  # a forward that made a part on some devices only
         first.grads.rebind()  # a cast in place since (model.double() then .float()) broke them
         if len(self._replicas) > 1:
             await self._run_all(self._jobs().mirror, phase="setup")
