@@ -695,6 +695,11 @@ def loss_and_metrics(
                 f"{step}'s metric {name!r} has shape {tuple(value.shape)}; metrics are "
                 "scalars, means over the shard's items"
             )
+        if isinstance(value, torch.Tensor) and value.is_complex():
+            raise StepOutputError(
+                f"{step}'s metric {name!r} is a complex tensor ({value.dtype}): return a real "
+                "number, such as its magnitude (value.abs())"
+            )
         if not isinstance(value, torch.Tensor) and not _is_number(value):
             raise StepOutputError(
                 f"{step}'s metric {name!r} is {_kind(value)}, not a number (an int, a float, "
@@ -719,7 +724,9 @@ def _item_count(value: object, step: str) -> int:
     """A step's ``"items"``: a whole number >= 0 (an int, NumPy's included, or a one-element
     tensor)."""
     number = float("nan")
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bool:
+        shown = f"a tensor of {value.dtype}"  # a mask's any(), not a count
+    elif isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
         number = float(value.detach())  # a host-device sync, as the loss's
         shown = f"{number:g} (a tensor)"
     elif _is_integer(value):

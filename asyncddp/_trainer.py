@@ -30,6 +30,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import itertools
 import logging
 import os
 import threading
@@ -821,7 +822,8 @@ class Trainer(Resumable, Generic[M]):
         Raises:
             ConfigurationError: a step of a fit is in progress (its optimizer step may be
                 half done), or, before the first fit, the model has parameters not made yet (a
-                lazy module's: run one forward first, as ``fit`` says); or a call of this
+                lazy module's: run one forward first, as ``fit`` says) or tensors on the meta
+                device; or a call of this
                 trainer runs in another thread's event loop (call it there), or runs while
                 this is called from inside a step (on a worker thread).
             AsyncDDPError: a failed step's optimizer step could not be undone
@@ -1417,7 +1419,8 @@ def _check_unwrapped(model: nn.Module) -> None:
 
 
 def _check_made(model: nn.Module) -> None:
-    """Refuse a model whose parameters are not made yet (a lazy module's, before a forward)."""
+    """Refuse a model whose parameters are not made yet (a lazy module's, before a forward), or
+    whose parameters or buffers hold no values (on the meta device)."""
     lazy = [name for name, p in model.named_parameters() if nn.parameter.is_lazy(p)]
     if lazy:
         raise ConfigurationError(
@@ -1425,6 +1428,19 @@ def _check_made(model: nn.Module) -> None:
             f"{', ...' if len(lazy) > 3 else ''}: a lazy module, LazyLinear say): run one "
             "forward on a batch first (model(inputs)), so that they have their shapes, as "
             "DistributedDataParallel requires too"
+        )
+    meta = [
+        name
+        for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers())
+        if tensor.is_meta
+    ]
+    if meta:
+        raise ConfigurationError(
+            f"trainer.model has tensors on the meta device, which hold no values "
+            f"({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}: a model built under "
+            "torch.device('meta')): give them storage and values first, "
+            "model.to_empty(device='cpu') then each module's reset_parameters() (or "
+            "load_state_dict(state, assign=True))"
         )
 
 

@@ -2627,6 +2627,14 @@ async def test_a_checkpoint_that_resuming_cannot_load_warns_as_it_is_written(
             lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]) * (1 + 1j),
             r"the step's loss is a complex tensor \(torch.complex64\): return a real loss",
         ),
+        (  # a WorkerFailedError, "value cannot be converted to type double without overflow",
+            # retried with on_failure="retry"
+            lambda model, batch: {
+                "loss": F.cross_entropy(model(batch[0]), batch[1]),
+                "error": model(batch[0]).mean() * 1j,
+            },
+            r"the step's metric 'error' is a complex tensor \(torch.complex64\)",
+        ),
     ],
 )
 async def test_a_step_that_returns_no_scalar_loss_is_a_clear_error(step: Any, message: str) -> None:
@@ -3114,6 +3122,26 @@ async def test_a_lazy_module_not_run_yet_is_a_configuration_error(devices: int) 
     assert result.global_step == 1
     trainer.load_state_dict(start)
     assert trainer.global_step == 0
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_a_model_on_the_meta_device_is_a_configuration_error_that_says_how_to_fill_it(
+    devices: int,
+) -> None:
+    # It was a WorkerFailedError in "phase setup" with torch's "Cannot copy out of meta
+    # tensor" (retried with on_failure="retry"), and state_dict() a bare NotImplementedError.
+    with torch.device("meta"):
+        model = make_model()
+    trainer = Trainer(model, SGD, loss_step, devices=cpu_devices(devices), progress_bar=False)
+    with pytest.raises(ConfigurationError, match=r"meta device.*0\.weight, 0\.bias, 2\.weight"):
+        await trainer.fit(make_batches([4]), epochs=1)
+    with pytest.raises(ConfigurationError, match=r"to_empty\(device='cpu'\) then"):
+        trainer.state_dict()
+    model.to_empty(device="cpu")  # as the error says
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.reset_parameters()
+    assert (await trainer.fit(make_batches([4]), epochs=1)).global_step == 1
 
 
 class RefilledBuffer:
@@ -4774,6 +4802,7 @@ async def test_a_step_that_counts_items_on_some_devices_only_is_a_clear_error() 
         ("3", "'items' is a str"),
         (True, "'items' is a bool"),
         (np.True_, "'items' is a bool"),
+        (torch.tensor(True), r"'items' is a tensor of torch.bool"),  # was taken as 1 item
         (np.float64(3.0), r"'items' is np.float64\(3.0\);"),
     ],
 )
