@@ -1488,6 +1488,23 @@ def _check_data(data: Iterable[Any], name: str, passes: int) -> None:
             f"{'keys' if isinstance(data, Mapping) else 'characters'}, not batches. Pass a "
             "list of batches (a batch may be a dict of tensors), or a DataLoader"
         )
+    if isinstance(data, (list, tuple)) and data and all(
+        isinstance(part, (torch.utils.data.DataLoader, torch.utils.data.Dataset))
+        for part in data
+    ):
+        # Several evaluation sets, as Lightning's val_dataloaders or Hugging Face's
+        # eval_dataset dict take them: read as batches, the first failed after the epoch.
+        kinds = ", ".join(sorted({type(part).__name__ for part in data}))
+        raise DataError(
+            f"{name} is a {type(data).__name__} of {len(data)} {kinds}: the trainer takes one "
+            "iterable of batches. Pass one DataLoader"
+            + (
+                ", and score the others with await trainer.validate(loader) between fits "
+                "(fit(..., epochs=epoch + 1) in a loop, to score them after every epoch)"
+                if name != "train_data"
+                else " (torch.utils.data.ConcatDataset joins datasets into one)"
+            )
+        )
     kind: type = type(data)  # a type, not narrowed: mypy finds Iterable and Dataset at odds
     if issubclass(kind, torch.utils.data.Dataset) and getattr(kind, "__iter__", None) is None:
         raise DataError(

@@ -2859,6 +2859,25 @@ async def test_an_epoch_whose_steps_count_no_item_is_a_clear_error() -> None:
     assert trainer.global_step == 0
 
 
+@pytest.mark.parametrize("where", ["train_data", "valid_data"])
+async def test_a_list_of_data_loaders_is_refused_before_any_step_naming_the_argument(
+    where: str,
+) -> None:
+    # Several evaluation sets, as Lightning and Hugging Face take them: valid_data failed
+    # after a whole epoch had trained, with train_data's message ("a batch must hold at least
+    # one tensor ...; got DataLoader").
+    dataset = torch.utils.data.TensorDataset(
+        torch.zeros(8, FEATURES), torch.zeros(8, dtype=torch.long)
+    )
+    loaders = [torch.utils.data.DataLoader(dataset, batch_size=4) for _ in range(2)]
+    trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    data = {"train_data": make_batches([4]), "valid_data": make_batches([4]), where: loaders}
+    hint = "trainer.validate" if where == "valid_data" else "ConcatDataset"
+    with pytest.raises(DataError, match=rf"^{where} is a list of 2 DataLoader: .*{hint}"):
+        await trainer.fit(data["train_data"], epochs=1, valid_data=data["valid_data"])
+    assert trainer.global_step == 0
+
+
 @pytest.mark.parametrize("where", ["train_data", "valid_data", "validate"])
 async def test_an_empty_data_loader_is_refused_before_any_step_with_its_cause(where: str) -> None:
     # drop_last=True with fewer items than batch_size: len(loader) == 0. An empty validation
