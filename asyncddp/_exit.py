@@ -151,6 +151,10 @@ def _busy(watched: dict[threading.Thread, Callable[[], bool] | None]) -> list[th
     return sorted(busy, key=lambda t: t.name)
 
 
+#: How long the exit waits without a word (see `_wait`).
+_QUIET_SECONDS = 0.5
+
+
 def _wait() -> None:
     with _lock:
         watched = dict(_pending)
@@ -159,18 +163,23 @@ def _wait() -> None:
     seconds = exit_wait()
     if not threads or seconds <= 0:
         return
-    names = ", ".join(thread.name for thread in threads)
-    _log.warning(
-        "waiting up to %g s for %s, left running by asyncddp, to end before the interpreter "
-        "exits (it may abort the process under a thread in torch's code); Ctrl-C stops waiting, "
-        "%s=0 does not wait",
-        seconds,
-        names,
-        EXIT_WAIT_VARIABLE,
-    )
     deadline = time.monotonic() + seconds
+    # Most such threads end within milliseconds (a loader in a next(), a worker finishing its
+    # job after a step failed elsewhere): only a wait that outlasts this is told of.
+    quiet = time.monotonic() + min(_QUIET_SECONDS, seconds)
+    told = False
     try:
         while threads and time.monotonic() < deadline:
+            if not told and time.monotonic() >= quiet:
+                told = True
+                _log.warning(
+                    "waiting up to %.1f s more for %s, left running by asyncddp, to end before "
+                    "the interpreter exits (it may abort the process under a thread in torch's "
+                    "code); Ctrl-C stops waiting, %s=0 does not wait",
+                    deadline - time.monotonic(),
+                    ", ".join(thread.name for thread in threads),
+                    EXIT_WAIT_VARIABLE,
+                )
             # A worker ends its job and waits for the next (which never comes): it does not
             # end, so this looks at them again rather than join them.
             threads[0].join(min(0.02, max(0.0, deadline - time.monotonic())))
