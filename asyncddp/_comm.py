@@ -221,6 +221,11 @@ def describe(error: BaseException, rank: int, device: Device, **where: Any) -> F
             cause.rank = rank
         error_type, message = error.error_type, error.error_message
     else:
+        # A KeyboardInterrupt or SystemExit a step raised goes up as it is, tagged with its
+        # device and phase (`StepScheduler._failure_error`, `Jobs.train`).
+        device = getattr(error, "_asyncddp_device", device)
+        if "phase" not in where and hasattr(error, "_asyncddp_phase"):
+            where = {**where, "phase": error._asyncddp_phase}
         error_type = _qualified_name(type(error))
         message = _message(error) or ("the fit was cancelled" if _cancelled(error) else "")
     pickled: bytes | None

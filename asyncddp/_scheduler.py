@@ -15,6 +15,7 @@ The loop thread never runs a job and never blocks on a thread: it queues, then a
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import inspect
 import logging
@@ -886,6 +887,8 @@ class StepScheduler:
         for index, exc in failures:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 exc.add_note(f"raised by the job on device {self.devices[index].name}")
+                with contextlib.suppress(Exception):  # for the other ranks (`_comm.describe`)
+                    exc._asyncddp_device = self.devices[index]  # type: ignore[union-attr]
                 return exc
         errors = [
             WorkerFailedError.from_exception(

@@ -1680,6 +1680,35 @@ def test_a_failure_without_a_cause_reaches_the_other_ranks_naming_its_rank() -> 
     assert timeout.rank is None  # this rank's own error is named where it is raised
 
 
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_a_step_raised_reaches_the_other_ranks_naming_its_device_and_phase(
+    kind: type[BaseException],
+) -> None:
+    # It goes up as it is, not as a WorkerFailedError: the other ranks were told of the rank's
+    # first device (cpu#0 for one raised on cpu#1, in a fuzzer's runs) and of no phase.
+    import anyio
+
+    from asyncddp import _comm
+
+    def step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        if asyncddp.current_worker().device.index == 1:
+            raise kind("from the step")
+        return model(batch).sum()
+
+    trainer = asyncddp.Trainer(
+        torch.nn.Linear(3, 1),
+        functools.partial(torch.optim.SGD, lr=0.1),
+        step,
+        devices=asyncddp.cpu_devices(2),
+        progress_bar=False,
+    )
+    with pytest.raises(kind) as caught:
+        anyio.run(functools.partial(trainer.fit, [torch.zeros(4, 3)], epochs=1))
+    failure = _comm.describe(caught.value, 1, trainer.devices[0], step=0, epoch=0)
+    error = failure.error()
+    assert (error.rank, error.device.name, error.phase) == (1, "cpu#1", "train")
+
+
 def fit_in(group: Any, trainer: asyncddp.Trainer) -> Any:
     """Start ``trainer.fit`` (2 epochs of the scenarios' batches) in the task group ``group``;
     an ``anyio.Event`` set once its first step has ended."""
