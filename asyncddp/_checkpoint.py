@@ -438,10 +438,12 @@ def _warn_if_settings_differ(
         )
         warn_user(
             "the state's optimizer settings replace those the optimizer factory gives, as "
-            f"torch's Optimizer.load_state_dict does: it trains on with {listed}. To change "
-            "them, set them in the state before loading it: "
-            "state['optimizer']['param_groups'][i][name] = value, then "
-            "trainer.load_state_dict(state) (see training.md, Checkpoints)"
+            f"torch's Optimizer.load_state_dict does: it trains on with {listed}. To train "
+            "on with the factory's, set them in the state too before loading it "
+            "(state['optimizer']['param_groups'][i][name] = value, then "
+            "trainer.load_state_dict(state)); to keep the state's, give them to the factory "
+            "as well: either way the two agree, and this warning goes (see training.md, "
+            "Resuming with other settings)"
         )
 
 
