@@ -381,8 +381,12 @@ def check_rebuilt(first: Replica) -> None:
             f"{', '.join(thawed[:3])}{', ...' if len(thawed) > 3 else ''} of trainer.model "
             f"{'requires' if one else 'require'} grad now but did not when its replicas were "
             f"built, so no optimizer holds {'it' if one else 'them'} and "
-            f"{'it is' if one else 'they are'} not trained; unfreeze "
-            f"{'it' if one else 'them'} before the first fit, or build a new Trainer"
+            f"{'it is' if one else 'they are'} not trained. To freeze parameters for a first "
+            "stage and thaw them later (gradual unfreezing), leave them trainable until the "
+            "Trainer has built its replicas (its first fit, validate or save_checkpoint: "
+            "await trainer.validate(valid_data) before freezing them), then freeze them: the "
+            "optimizers hold every parameter and skip the frozen ones, as a plain loop's "
+            "optimizer over model.parameters() does"
         )
 
 

@@ -1488,9 +1488,13 @@ def _check_data(data: Iterable[Any], name: str, passes: int) -> None:
             f"{'keys' if isinstance(data, Mapping) else 'characters'}, not batches. Pass a "
             "list of batches (a batch may be a dict of tensors), or a DataLoader"
         )
-    if isinstance(data, (list, tuple)) and data and all(
-        isinstance(part, (torch.utils.data.DataLoader, torch.utils.data.Dataset))
-        for part in data
+    if (
+        isinstance(data, (list, tuple))
+        and data
+        and all(
+            isinstance(part, (torch.utils.data.DataLoader, torch.utils.data.Dataset))
+            for part in data
+        )
     ):
         # Several evaluation sets, as Lightning's val_dataloaders or Hugging Face's
         # eval_dataset dict take them: read as batches, the first failed after the epoch.

@@ -236,6 +236,31 @@ async def test_a_parameter_thawed_after_the_first_fit_warns_that_it_is_not_train
     assert seen[0].filename == __file__  # this line, not one of asyncddp's
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_gradual_unfreezing_as_the_warning_says_trains_as_a_plain_loop(devices: int) -> None:
+    # The warning's advice was to unfreeze before the first fit (which trains the layer from
+    # the start) or to build a new Trainer (whose state load was refused: the optimizer's
+    # groups differed in size). Replicas built with every parameter trainable hold them all.
+    batches = make_batches([4, 4])
+    optimizer = functools.partial(torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+    trainer = Trainer(
+        make_model(), optimizer, loss_step, devices=cpu_devices(devices), progress_bar=False
+    )
+    await trainer.validate(batches)  # builds the replicas, every parameter trainable
+    trainer.model[0].requires_grad_(False)
+    await trainer.fit(batches, epochs=2)
+    trainer.model[0].requires_grad_(True)
+    await trainer.fit(batches, epochs=4)
+    expected = make_model()
+    plain = optimizer(expected.parameters())
+    expected[0].requires_grad_(False)
+    for epoch in range(4):
+        if epoch == 2:
+            expected[0].requires_grad_(True)
+        plain_epoch(expected, plain, batches)
+    assert_matches(trainer, expected)
+
+
 async def test_buffers_reset_between_calls_are_reset_on_every_device() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(FEATURES, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
