@@ -591,6 +591,7 @@ class Trainer(Resumable, Generic[M]):
             self._check_options()
             epochs = check_int("epochs", epochs, 1)  # NumPy's too: a sweep's from an array
             check_path("resume", resume)
+            self._refuse_shared_checkpoint_dir()  # before its files are read or warned of
             state = await self._resume_state(resume) if resume is not None else None
             if resume is None:
                 await self._warn_if_checkpoints_ahead()
@@ -913,6 +914,33 @@ class Trainer(Resumable, Generic[M]):
 
     # -- sessions: workers and replicas ----------------------------------------------------
 
+    def _refuse_shared_checkpoint_dir(self) -> None:
+        """Refuse a fit into the ``checkpoint_dir`` of another trainer of this process that is
+        fitting: both would write checkpoints of the same names into it, each over the other's
+        (a sweep's trials given one folder), and ``resume="latest"`` would load another
+        trial's model."""
+        if self.checkpoint_dir is None or (self._comm is not None and self._comm.rank != 0):
+            return
+        mine = self.checkpoint_dir.resolve()
+        for ref in list(_LAST_CALLER.values()):
+            other = ref()
+            if (
+                other is None
+                or other is self
+                or other._session_kind != "fit"
+                or other.checkpoint_dir is None
+                or (other._comm is not None and other._comm.rank != 0)
+            ):
+                continue
+            if other.checkpoint_dir.resolve() == mine:
+                raise ConfigurationError(
+                    f"checkpoint_dir {str(self.checkpoint_dir)!r} is that of another Trainer "
+                    "fitting in this process: both would write checkpoints of the same names "
+                    "into it, each over the other's, and resume='latest' would load the other "
+                    "one's model. Give each trainer a checkpoint_dir of its own (a sweep: one "
+                    "folder a trial, checkpoint_dir=f'checkpoints/trial{i}')"
+                )
+
     @contextlib.asynccontextmanager
     async def _session(self, kind: str) -> AsyncIterator[StepScheduler]:
         """Worker threads for one fit, validate or checkpoint call."""
@@ -948,6 +976,8 @@ class Trainer(Resumable, Generic[M]):
                 "write into each other's steps. Give each trainer its own copy "
                 "(copy.deepcopy(model)), or await the other call first"
             )
+        if kind == "fit":  # looked at before, and again now that nothing awaits till it opens
+            self._refuse_shared_checkpoint_dir()
         scheduler = self._new_scheduler()
         _LAST_CALLER[self._source] = weakref.ref(self)
         self._session_kind = kind

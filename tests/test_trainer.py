@@ -1241,6 +1241,42 @@ async def test_stop_ends_fit_at_the_next_step_and_fit_continues_from_there() -> 
     assert_close(trainer.model, expected)
 
 
+async def fitting(group: Any, trainer: Trainer) -> None:
+    """Start ``trainer`` fitting (until stopped) in ``group``; return once a step has ended."""
+    stream = trainer.events()
+    group.start_soon(functools.partial(trainer.fit, make_batches([4] * 50), epochs=1000))
+    async for event in stream:
+        if isinstance(event, StepEnded):
+            return
+
+
+async def test_a_fit_into_the_checkpoint_dir_of_another_trainer_fitting_is_refused(
+    tmp_path: Any,
+) -> None:
+    # A sweep's trials given one folder wrote checkpoints of the same names over each other
+    # without a word, and a trial's resume="latest" then loaded another trial's model.
+    first = Trainer(
+        make_model(), SGD, loss_step, checkpoint_dir=tmp_path / "shared", progress_bar=False
+    )
+    second = Trainer(
+        make_model(1), SGD, loss_step, checkpoint_dir=tmp_path / "." / "shared", progress_bar=False
+    )
+    own = Trainer(
+        make_model(2), SGD, loss_step, checkpoint_dir=tmp_path / "own", progress_bar=False
+    )
+    async with anyio.create_task_group() as group:
+        await fitting(group, first)
+        with pytest.raises(
+            ConfigurationError, match=r"checkpoint_dir .* of another Trainer fitting"
+        ):
+            await second.fit(make_batches([4]), epochs=1)
+        await own.fit(make_batches([4]), epochs=1)
+        first.stop()
+    assert second.global_step == 0
+    second.checkpoint_dir = tmp_path / "second"
+    await second.fit(make_batches([4]), epochs=1)
+
+
 @pytest.mark.parametrize("own_generator", [False, True])
 async def test_continuing_an_epoch_beside_another_trainer_warns_if_its_order_is_the_global_ones(
     own_generator: bool,
@@ -1264,8 +1300,7 @@ async def test_continuing_an_epoch_beside_another_trainer_warns_if_its_order_is_
     )
     trainer = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
     async with anyio.create_task_group() as group:
-        group.start_soon(functools.partial(other.fit, make_batches([4] * 50), epochs=1000))
-        await anyio.sleep(0.05)  # the other trainer is training
+        await fitting(group, other)
         assert (await fit_until_stopped(trainer, loader, epochs=1, at_step=2)).stopped
         if own_generator:
             await trainer.fit(loader, epochs=1)
