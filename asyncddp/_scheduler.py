@@ -889,6 +889,8 @@ class StepScheduler:
                 exc.add_note(f"raised by the job on device {self.devices[index].name}")
                 with contextlib.suppress(Exception):  # for the other ranks (`_comm.describe`)
                     exc._asyncddp_device = self.devices[index]  # type: ignore[union-attr]
+                    if phase is not None and not hasattr(exc, "_asyncddp_phase"):
+                        exc._asyncddp_phase = phase  # type: ignore[union-attr]
                 return exc
         errors = [
             WorkerFailedError.from_exception(
