@@ -3,8 +3,8 @@
 A batch is a tensor, or a tuple, list or dict of them (nested), with the items along dim 0, as
 ``torch.utils.data.default_collate`` makes them. Tensors with a batch dimension are split, and
 so are per-item fields (a list or tuple of one entry an item holding no tensor, as
-``default_collate`` makes of strings); other values (numbers, strings, 0-dim tensors, lists
-that are not one entry an item) are handed to every shard as they are.
+``default_collate`` makes of strings); other values (numbers, strings, 0-dim tensors) are
+handed to every shard as they are.
 """
 
 from __future__ import annotations
@@ -153,10 +153,10 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     Shard sizes differ by one at most; when the batch has fewer items than ``parts``, the last
     shards are empty (0 items). The shards are views (a sparse COO tensor's are copies). A
     sparse tensor of another layout is refused (`DataError`). A list or tuple as long as the
-    batch that holds no tensor, and not numbers alone, is split with it: one entry per item
-    (strings, as ``default_collate`` makes of a text field, some of them ``None``; each item's
-    words). Any other value goes whole to every shard, and a list or tuple holding no tensor
-    is not looked into.
+    batch that holds no tensor, and not numbers and ``None`` alone, is split with it: one entry
+    per item (strings, as ``default_collate`` makes of a text field, some of them ``None``;
+    each item's words; see `_per_item`). Other lists, tuples and dicts are looked into; any
+    other value goes whole to every shard.
     """
     if parts == 1:
         return [batch]  # the one shard is the batch itself (its callers have checked it)
@@ -185,11 +185,8 @@ def _slice(value: Any, start: int, stop: int, size: int) -> Any:
         )
     if isinstance(value, Mapping):
         return _same_mapping(value, {k: _slice(v, start, stop, size) for k, v in value.items()})
-    if isinstance(value, (tuple, list)):
-        if _per_item(value, size):
-            return value[start:stop]
-        if not _holds_tensor(value):
-            return value  # not one entry an item: whole, and not looked into
+    if isinstance(value, (tuple, list)) and _per_item(value, size):
+        return value[start:stop]
     if isinstance(value, tuple):
         sliced = [_slice(item, start, stop, size) for item in value]
         return type(value)(*sliced) if hasattr(value, "_fields") else tuple(sliced)
@@ -222,14 +219,21 @@ def _per_item(value: list[Any] | tuple[Any, ...], size: int) -> bool:
     """Whether ``value`` holds one entry per item of a batch of ``size`` items: a plain list or
     tuple of that many entries, with no tensor in them at any depth (a text field, as
     ``default_collate`` makes of strings; a field that is ``None`` for some items; each item's
-    list of words; each item's dict of metadata), and not numbers alone (a (height, width)
-    pair, which ``default_collate`` would have made a tensor if it were one per item)."""
+    list of words; each item's dict of metadata). Not numbers and ``None`` alone (a (height,
+    width) pair, a crop of (224, None): ``default_collate`` would have made per-item numbers a
+    tensor), nor a list of fields each one entry an item (``default_collate``'s of samples
+    holding a pair of texts: [premises, hypotheses]), whose fields are split instead."""
     return (
         type(value) in (list, tuple)
         and len(value) == size
-        and not all(isinstance(item, (int, float, complex)) for item in value)
+        and not all(isinstance(item, _NUMBERS) or item is None for item in value)
+        and not all(type(item) in (list, tuple) and len(item) == size for item in value)
         and not _holds_tensor(value)
     )
+
+
+#: Numbers, Python's and NumPy's (bools too).
+_NUMBERS = (int, float, complex, np.number, np.bool_)
 
 
 def move_to(value: Any, device: torch.device, *, non_blocking: bool = False) -> Any:
