@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import math
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -650,11 +650,11 @@ class Jobs:
         parts, loose = work
         self.replicas[ctx.device.index].regroup(parts, ctx.device.index, loose=loose)
 
-    def mirror(self, ctx: WorkerContext, _: None) -> None:
-        """The first replica's values, ``requires_grad`` flags, modes and extra state, into
-        this one (see ``_replica.mirror``)."""
+    def mirror(self, ctx: WorkerContext, changes: Sequence[tuple[int, str, Any]]) -> None:
+        """The first replica's values, ``requires_grad`` flags, modes, extra state, hooks and
+        changed module attributes, into this one (see ``_replica.mirror``)."""
         if ctx.device.index:
-            mirror(self.replicas[ctx.device.index], self.replicas[0])
+            mirror(self.replicas[ctx.device.index], self.replicas[0], changes)
 
     def snapshot(self, ctx: WorkerContext, wanted: bool) -> dict[str, Any] | None:
         """The first replica's state on the CPU (copied, so training may go on)."""

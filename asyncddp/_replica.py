@@ -85,6 +85,9 @@ class Replica:
         self.built_params = tuple(model.parameters())
         self.built_modules = sum(1 for _ in model.modules())
         self.buffer_slots = BufferSlots(model)
+        #: The modules' own attributes as the last call left them (the first replica's: what
+        #: changed since was the user's doing, `attribute_changes`).
+        self.module_attrs = attribute_snapshot(model)
         self.built_layouts = [_layout(p) for p in self.built_params]
         # How each one's gradient lies in the flat buffers (`grad_layout`), alike on every
         # replica: a memory format changed since on the first alone would sum mismatched
@@ -431,11 +434,68 @@ def _refuse(what: str) -> NoReturn:
     )
 
 
-def mirror(replica: Replica, first: Replica) -> None:
+#: An attribute deleted from a module of ``trainer.model`` (see `attribute_changes`).
+DELETED = object()
+
+#: Attributes of a module that are the module's machinery, not its settings or state.
+_MACHINERY = frozenset({"training"})
+
+#: The hooks a module keeps, by the attribute each lives in (``register_forward_hook``...).
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+def attribute_snapshot(model: nn.Module) -> list[dict[str, Any]]:
+    """Each module's own attributes (``vars``, less its machinery: a temperature, a dropout's
+    ``p``, a recurrent state kept as an attribute), as the objects they are now."""
+    return [
+        {k: v for k, v in vars(m).items() if k[:1] != "_" and k not in _MACHINERY}
+        for m in model.modules()
+    ]
+
+
+def attribute_changes(first: Replica) -> list[tuple[int, str, Any]]:
+    """The attributes of ``trainer.model``'s modules set (to another object), added or
+    deleted since the last call ended (`Replica.module_attrs`), as (module index, name,
+    value or `DELETED`): what the user changed between calls, which `mirror` gives every
+    replica. One the forward changes (a recurrent state) is each device's own during a call;
+    one changed in place (a list appended to) is not seen: assign a new value."""
+    changes: list[tuple[int, str, Any]] = []
+    now = attribute_snapshot(first.model)
+    for index, (attrs, before) in enumerate(zip(now, first.module_attrs, strict=True)):
+        for name, value in attrs.items():
+            if name not in before or before[name] is not value:
+                changes.append((index, name, value))
+        changes.extend((index, name, DELETED) for name in before if name not in attrs)
+    return changes
+
+
+def _carried(value: Any, device: torch.device) -> Any:
+    """``value`` for a replica on ``device``: a tensor copied there, an object copied (as the
+    replicas were made), a number or a string as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device, copy=True)
+    if isinstance(value, (int, float, complex, str, bytes, type(None), torch.dtype)):
+        return value
+    try:
+        return copy.deepcopy(value)
+    except Exception:
+        return value
+
+
+def mirror(replica: Replica, first: Replica, changes: Sequence[tuple[int, str, Any]] = ()) -> None:
     """Make ``replica`` what ``first`` (``trainer.model``) is now: its parameters' and
     buffers' values, which parameters require grad, the parameters' attributes and gradient
-    hooks (`carry_parameter_extras`), and every module's train/eval mode and extra state
-    (``get_extra_state``).
+    hooks (`carry_parameter_extras`), every module's train/eval mode and extra state
+    (``get_extra_state``), its forward and backward hooks (added or removed), and the
+    module attributes ``changes`` names (`attribute_changes`).
 
     Runs on ``replica``'s worker before a fit or a validation, so that what a user changed on
     ``trainer.model`` since the last call (weights loaded, a layer frozen, ``.eval()``) holds
@@ -449,10 +509,31 @@ def mirror(replica: Replica, first: Replica) -> None:
             param.requires_grad_(first_param.requires_grad)
         replica.take_buffers(first)
     carry_parameter_extras(replica.model, first.model, replica.device.torch_device)
-    for module, source in zip(replica.model.modules(), first.model.modules(), strict=True):
+    modules = list(replica.model.modules())
+    for module, source in zip(modules, first.model.modules(), strict=True):
         module.training = source.training
         if type(source).get_extra_state is not nn.Module.get_extra_state:
             module.set_extra_state(copy.deepcopy(source.get_extra_state()))
+        for hooks in _HOOK_DICTS:
+            _carry_hooks(getattr(module, hooks, None), getattr(source, hooks, None))
+    for index, name, value in changes:
+        if value is DELETED:
+            modules[index].__dict__.pop(name, None)
+        else:
+            modules[index].__dict__[name] = _carried(value, replica.device.torch_device)
+
+
+def _carry_hooks(mine: Any, theirs: Any) -> None:
+    """Add the hooks ``theirs`` (a module's of ``trainer.model``) has that ``mine`` (its copy's)
+    lacks, and remove those it no longer has: by handle id, unique in the process. A hook the
+    copy has already is left as its copy (made with the model, bound to the copy's module)."""
+    if not isinstance(mine, dict) or not isinstance(theirs, dict) or mine.keys() == theirs.keys():
+        return
+    for key in [key for key in mine if key not in theirs]:
+        del mine[key]
+    for key, hook in theirs.items():
+        if key not in mine:
+            mine[key] = hook
 
 
 def carry_parameter_extras(model: nn.Module, source: nn.Module, device: torch.device) -> None:

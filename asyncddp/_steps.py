@@ -61,6 +61,8 @@ from ._replica import (
     OptimizerFactory,
     Replica,
     SchedulerFactory,
+    attribute_changes,
+    attribute_snapshot,
     check_copies,
     check_rebuilt,
     lives_on,
@@ -132,6 +134,7 @@ class Steps:
     step_timeout: float | None
     global_step: int
     _replicas: list[Replica]
+    _attributes_carried: bool  # a call carried module attributes over (see _mirror_first)
     _queued_undos: list[JobQueuedError]
     _optimizer_factory: OptimizerFactory
     _scheduler_factory: SchedulerFactory | None
@@ -181,7 +184,10 @@ class Steps:
         check_copies(self._replicas[1:])  # a forward that made a part on some devices only
         first.grads.rebind()  # a cast in place since (model.double() then .float()) broke them
         if len(self._replicas) > 1:
-            await self._run_all(self._jobs().mirror, phase="setup")
+            changes = attribute_changes(first)
+            await self._run_all(self._jobs().mirror, changes, phase="setup")
+        first.module_attrs = attribute_snapshot(first.model)
+        self._attributes_carried = True  # the call's end takes the snapshot again
 
     def _apply_work(self, coefficient: float = 1.0, unused: tuple[int, ...] = ()) -> ApplyWork:
         """The next optimizer step's work, under a new apply id."""

@@ -31,7 +31,6 @@ every scratch chunk into each replica's buffer (peers read scratch buffers, neve
 
 from __future__ import annotations
 
-import copy
 import math
 import weakref
 from collections.abc import Iterable, Sequence
@@ -373,18 +372,25 @@ _PLAIN = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.
 
 
 def _snapshot(value: Any) -> Any:
-    """A copy of an optimizer state's or a param group's value that is not a tensor, for a
-    backup: a number or a string as it is (nothing changes it in place), a container (a list of
-    tensors, a dict of statistics, a custom optimizer's object) copied deeply, as a step may
-    change it in place. Something that cannot be copied is kept as it is."""
-    if isinstance(value, _PLAIN) or (
-        type(value) is tuple and all(isinstance(item, _PLAIN) for item in value)  # betas
-    ):
+    """A copy of an optimizer state's value that is not a tensor, for a backup: a number or a
+    string as it is (nothing changes it in place); a list, tuple or dict copied, with the
+    tensors in it (a custom optimizer's list of statistics, changed in place by a step)
+    cloned, and its lists, tuples and dicts copied so in turn. Anything else (a module, a
+    parameter, an object of the optimizer's own) is kept as it is: a copy would not be the
+    object the optimizer refers to."""
+    if isinstance(value, _PLAIN):
         return value
-    try:
-        return copy.deepcopy(value)
-    except Exception:
-        return value
+    kind = type(value)
+    if kind is list or kind is tuple:
+        copied = [_snapshot(item) for item in value]
+        if kind is tuple and all(a is b for a, b in zip(copied, value, strict=True)):
+            return value  # a tuple of plain values (betas): nothing in it changes
+        return kind(copied)
+    if kind is dict:
+        return {key: _snapshot(item) for key, item in value.items()}
+    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+        return value.detach().clone()
+    return value
 
 
 @dataclass
@@ -396,6 +402,9 @@ class _Copy:
     # Each copied tensor and its version counter when copied: a copy made ahead of a step is
     # still good if every one is the same tensor, unchanged.
     sources: list[tuple[torch.Tensor, int]]
+    # How many of the parameters had an entry in the optimizer's state: one with more
+    # entries holds some under other keys (`_extra_state`).
+    present: int = 0
 
     def still_current(
         self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
@@ -484,8 +493,11 @@ def _copy_tensors(
     targets.extend(saved_params)
     values.extend(p.detach() for p in params)
     states: list[dict[str, Any] | None] = []
+    present = 0
     for i, param in enumerate(params):
         state = optimizer.state.get(param)
+        if state is not None:
+            present += 1
         if not state:
             states.append(None)
             continue
@@ -508,7 +520,7 @@ def _copy_tensors(
         torch._foreach_copy_(targets, values)
     else:
         _copy_part(targets, values, part)
-    return _Copy(saved_params, states, sources)
+    return _Copy(saved_params, states, sources, present)
 
 
 def _saved_tensors(copy: _Copy) -> list[torch.Tensor]:
@@ -610,7 +622,9 @@ class StepBackup:
             tensors,
             groups,
             scheduler.state_dict() if scheduler is not None else None,
-            {key: _snapshot(value) for key, value in _extra_state(optimizer)},
+            {key: _snapshot(value) for key, value in _extra_state(optimizer)}
+            if len(optimizer.state) > tensors.present
+            else {},
             tuple(map(weakref.ref, peers)),
         )
 
@@ -694,7 +708,7 @@ def group_settings(group: dict[str, Any]) -> dict[str, Any]:
     ``momentum`` or ``betas`` in a cycle), with tensors copied: a tensor ``lr`` is changed in
     place (``fill_``)."""
     return {
-        key: value.clone() if isinstance(value, torch.Tensor) else _snapshot(value)
+        key: value.clone() if isinstance(value, torch.Tensor) else value
         for key, value in group.items()
         if key != "params"
     }
@@ -708,4 +722,4 @@ def restore_group_settings(group: dict[str, Any], saved: dict[str, Any]) -> None
         if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
             current.copy_(value)
         else:
-            group[key] = _snapshot(value)
+            group[key] = value

@@ -86,6 +86,7 @@ from ._replica import (
     Replica,
     SchedulerFactory,
     StepFunction,
+    attribute_snapshot,
     build_replica,
     carry_parameter_extras,
     group_layout,
@@ -398,6 +399,7 @@ class Trainer(Resumable, Generic[M]):
         self._scheduler: StepScheduler | None = None
         self._hub = EventHub()
         self._stop_reason: str | None = None
+        self._attributes_carried = False  # this call carried module attributes over
         self._session_kind: str | None = None  # "fit", "validate" or "checkpoint" while open
         self._session_done: anyio.Event | None = None
         self._window_open = False  # a step has begun on the devices and not ended
@@ -1040,6 +1042,12 @@ class Trainer(Resumable, Generic[M]):
                         finally:
                             self._stragglers += current._left_behind
             finally:
+                if self._attributes_carried:
+                    # What the forward set on trainer.model's modules in this call (a
+                    # recurrent state) is the first device's own: only what changes from
+                    # here on, between calls, is the user's to carry over (_mirror_first).
+                    self._attributes_carried = False
+                    self._replicas[0].module_attrs = attribute_snapshot(self._replicas[0].model)
                 self._session_kind = None
                 self._session_done.set()
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncddp import AsyncDDPWarning, ConfigurationError, Trainer, cpu_devices
+from asyncddp import AsyncDDPWarning, ConfigurationError, Trainer, cpu_devices, current_worker
 
 pytestmark = pytest.mark.anyio
 
@@ -732,3 +732,70 @@ async def test_a_part_made_in_the_forward_on_some_devices_only_is_refused_naming
     for _ in range(2):  # the fit that made it, and the next, before any step
         with pytest.raises(ConfigurationError, match=f"copy on cpu#1 gained or lost a {part}"):
             await trainer.fit(batches, epochs=1)
+
+
+class Tempered(nn.Module):
+    """Logits divided by a temperature, a plain attribute; and the last input's mean kept as
+    an attribute, each device its own (as a recurrent state is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(FEATURES, 3)
+        self.temperature = 1.0
+        self.last: torch.Tensor | None = None
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        worker = current_worker()
+        LAST_SEEN.append((worker.device.name if worker else "", self.last))
+        self.last = inputs.mean().detach()
+        return self.layer(inputs) / self.temperature
+
+
+#: (device, the attribute ``last`` as each forward of a `Tempered` found it).
+LAST_SEEN: list[tuple[str, torch.Tensor | None]] = []
+
+
+async def test_module_attributes_and_hooks_changed_between_fits_reach_every_device() -> None:
+    # trainer.model.temperature = 4.0, a dropout's p = 0.0, a forward hook registered between
+    # fits: device 0 alone took them (parameters 0.09 off a plain loop's, without a word).
+    batches = make_batches([4, 4])
+    torch.manual_seed(0)
+    trainer = trainer_on(2, Tempered())
+    await trainer.fit(batches, epochs=1)
+    trainer.model.temperature = 4.0
+    seen: list[str] = []
+    handle = trainer.model.layer.register_forward_hook(
+        lambda module, args, out: seen.append(str(module.weight.device))
+    )
+    await trainer.fit(batches, epochs=2)
+    assert len(seen) == 4  # both devices, both steps
+    handle.remove()
+    await trainer.fit(batches, epochs=3)
+    assert len(seen) == 4  # removed on every device
+    torch.manual_seed(0)
+    expected = Tempered()
+    optimizer = SGD(expected.parameters())
+    for epoch in range(3):
+        expected.temperature = 1.0 if epoch == 0 else 4.0
+        plain_epoch(expected, optimizer, batches)
+    assert_matches(trainer, expected)
+    assert [r.model.temperature for r in trainer._replicas] == [4.0, 4.0]
+
+
+async def test_an_attribute_the_forward_sets_stays_each_device_s_own_across_calls() -> None:
+    # Only what the user changes between calls is carried over: the forward's own (a
+    # recurrent state) must not be overwritten by the first device's at the next call.
+    batches = make_batches([4])
+    trainer = trainer_on(2, Tempered())
+    await trainer.fit(batches, epochs=1)
+    own = [r.model.last for r in trainer._replicas]
+    assert own[0] is not None
+    assert own[1] is not None
+    assert not torch.equal(own[0], own[1])
+    await trainer.validate(batches)
+    after = [r.model.last for r in trainer._replicas]
+    assert not torch.equal(after[0], after[1])  # each its own share's, not device 0's
+    trainer.model.last = None  # reset between calls, as a plain loop resets its state
+    LAST_SEEN.clear()
+    await trainer.validate(batches)
+    assert sorted(LAST_SEEN, key=lambda seen: seen[0]) == [("cpu#0", None), ("cpu#1", None)]

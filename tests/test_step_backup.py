@@ -326,14 +326,14 @@ class StatsSGD(torch.optim.Optimizer):
     list of floats per parameter, changed in place, and a count under a key that is not a
     parameter (torch's state_dict saves both)."""
 
-    def __init__(self, params: Any, lr: float = 0.1) -> None:
-        super().__init__(params, {"lr": lr, "history": []})
+    def __init__(self, params: Any, lr: float = 0.1, owner: Any = None) -> None:
+        super().__init__(params, {"lr": lr, "owner": owner})
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         shared = self.state["global"]
         shared["t"] = shared.get("t", 0) + 1
-        self.param_groups[0]["history"].append(shared["t"])
+        shared["owner"] = self.param_groups[0]["owner"]  # an object the state refers to
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state[p]
@@ -353,6 +353,8 @@ def stats_state(optimizer: torch.optim.Optimizer) -> list[Any]:
             return [plain(v) for v in value]
         if isinstance(value, dict):
             return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, nn.Module):
+            return f"{type(value).__name__} module"  # its identity is checked apart
         return value
 
     keys = sorted(optimizer.state, key=lambda key: str(key) if isinstance(key, str) else "")
@@ -369,7 +371,7 @@ def test_a_restore_puts_back_state_held_in_lists_and_under_other_keys(ahead: boo
     # step twice and the parameters ended 3e-3 off a plain loop's).
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
-    optimizer = StatsSGD(model.parameters())
+    optimizer = StatsSGD(model.parameters(), owner=model)
     params = list(model.parameters())
     backup = StepBackup()
     train_step(model, optimizer)
@@ -383,6 +385,10 @@ def test_a_restore_puts_back_state_held_in_lists_and_under_other_keys(ahead: boo
     assert backup.restore(params, optimizer, None)
     assert stats_state(optimizer) == before
     assert all(torch.equal(p, w) for p, w in zip(params, weights, strict=True))
+    # Objects the state and settings refer to stay those objects (a copy of the module, after
+    # a first version's restore).
+    assert optimizer.state["global"]["owner"] is model
+    assert optimizer.param_groups[0]["owner"] is model
     train_step(model, optimizer)  # the restored lists are copies: the backup stays as it was
     assert backup.restore(params, optimizer, None)
     assert stats_state(optimizer) == before
