@@ -533,8 +533,10 @@ async def test_event_loop_stays_free_during_a_compute_heavy_step() -> None:
     stop = anyio.Event()
 
     def compute(ctx: WorkerContext, shard: torch.Tensor) -> float:
-        total = 0.0
-        for _ in range(20):
+        # Torch's work for 30 ms at least (a fixed amount of it took 49 ms in all on a fast
+        # machine, under the 50 ms this test needs to see the loop).
+        total, end = 0.0, time.perf_counter() + 0.03
+        while time.perf_counter() < end:
             total += float((shard @ shard).sum())
         return total
 
