@@ -200,9 +200,10 @@ class Epochs(DistributedSteps):
         warn_user(
             f"continuing epoch {epoch} after its first {skip} batch(es) replays its shuffle "
             "order from torch's global generator, and another Trainer of this process "
-            "trains meanwhile (or did as the epoch started), drawing from that generator too "
-            "(its dropout, its own shuffling): the order replayed may not be the interrupted "
-            "one, training some batches twice and others never, and the replay's rewind of "
+            "trains meanwhile (or did as the epoch started), which may draw from that "
+            "generator too (its dropout, its own shuffling): the order replayed may not be "
+            "the interrupted one, training some batches twice and others never, and the "
+            "replay's rewind of "
             "the generator repeats the other trainer's draws. Give each trainer's DataLoader a "
             "generator of its own: DataLoader(..., generator=torch.Generator().manual_seed(seed))",
             AsyncDDPRuntimeWarning,

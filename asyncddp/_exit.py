@@ -9,16 +9,17 @@ op releases the GIL while it computes) the process aborts: "terminate called wit
 active exception", exit status 134, after a script that caught a ``WorkerTimeoutError`` and
 ended, say. (Python 3.14 hangs such a thread instead, CPython gh-87135: nothing to wait for.)
 
-So the loader threads left behind are noted here (`wait_at_exit`), and so is every worker as
-it starts, with whether it is in a job (`watch`): one left behind is still in its job, and a
+So the loader threads left behind are noted here (`wait_at_exit`), and so is every worker as it
+starts, with whether it is in a job (`watch`): one left behind is still in its job, and a
 program that leaves its event loop on a ``KeyboardInterrupt`` out of
 ``loop.run_until_complete`` leaves them inside a step. An ``atexit`` hook, which runs before
 the interpreter finalizes, waits until none is busy: `EXIT_WAIT` seconds at most in all
 (``ASYNCDDP_EXIT_WAIT`` chooses, ``0`` waits not at all), with a warning on the ``asyncddp``
-logger that names them. Ctrl-C ends the wait at once. A thread blocked in a Python lock (a
-``queue.Queue.get``, an ``Event.wait``: a live feed's generator, say) is not waited for: it is
-in the lock's C code, not in torch's, and stays there as the interpreter finalizes; but a
-worker waiting for the other devices of its step is, as their arrival releases it.
+logger that names them once the wait has lasted a second (most end within milliseconds). Ctrl-C
+ends the wait at once. A thread blocked in a Python lock (a ``queue.Queue.get``, an
+``Event.wait``: a live feed's generator, say) is not waited for: it is in the lock's C code,
+not in torch's, and stays there as the interpreter finalizes; but a worker waiting for the
+other devices of its step is, as their arrival releases it.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def _busy(watched: dict[threading.Thread, Callable[[], bool] | None]) -> list[th
 
 
 #: How long the exit waits without a word (see `_wait`).
-_QUIET_SECONDS = 0.5
+_QUIET_SECONDS = 1.0
 
 
 def _wait() -> None:

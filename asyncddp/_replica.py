@@ -400,27 +400,38 @@ def _layout(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device
 def check_copies(replicas: Sequence[Replica]) -> None:
     """Refuse replicas that are no longer made of the parts each was built with: a module that
     makes a parameter, buffer or submodule in its forward (the first time a batch holds some
-    kind of item) makes it on the devices whose share held such an item only, and the copies
-    then differ in their parts (the first's is saved and checkpointed; a parameter made
-    elsewhere is not reduced). Names only: cheap at an epoch's end and before each call."""
+    kind of item, or on its first call) makes it on the devices whose share held such an item
+    only, and the copies then differ in their parts (the first's is saved and checkpointed; a
+    parameter made elsewhere is not reduced); made on every device, the optimizers still
+    hold the parts as built. Names only: cheap after a fit's first step, at an epoch's end and
+    before each call."""
+    changed: list[tuple[Replica, str]] = []
     for replica in replicas:
-        what = None
         if sum(1 for _ in replica.model.parameters()) != len(replica.built_params):
-            what = "a parameter"
+            changed.append((replica, "a parameter"))
         elif sum(1 for _ in replica.model.modules()) != replica.built_modules:
-            what = "a module"
+            changed.append((replica, "a module"))
         elif [name for _, name in slots_of(replica.model)] != replica.buffer_slots.names():
-            what = "a buffer"
-        if what is not None:
-            raise ConfigurationError(
-                f"the model's copy on {replica.device} gained or lost {what} since the "
-                "Trainer built it: a forward that makes a part of the model (self.extra = "
-                "nn.Linear(...), register_buffer) the first time a batch holds some kind of "
-                "item does so on the devices whose share holds one, and the copies differ. "
-                "Make every part in the module's __init__ (a flag or an empty buffer the "
-                "forward fills in), or run the model once on such a batch before building "
-                "the Trainer"
-            )
+            changed.append((replica, "a buffer"))
+    if not changed:
+        return
+    replica, what = changed[0]
+    where = (
+        f"the model's copy on {replica.device}"
+        if len(changed) < len(replicas)
+        else "the model (on every device)"
+        if len(replicas) > 1
+        else "the model"
+    )
+    raise ConfigurationError(
+        f"{where} gained or lost {what} since the Trainer built it: a forward that makes a "
+        "part of the model (self.extra = nn.Linear(...), register_buffer(...)) on its first "
+        "call, or the first time a batch holds some kind of item (then only on the devices "
+        "whose share holds one), leaves the optimizers, the other devices and the "
+        "checkpoints without it. Make every part in the module's __init__ (a buffer as "
+        "self.register_buffer('name', None) there, assigned in the forward; a flag instead "
+        "of a layer made on demand), or run the model once before building the Trainer"
+    )
 
 
 def _refuse(what: str) -> NoReturn:

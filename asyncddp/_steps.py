@@ -181,7 +181,7 @@ class Steps:
 
             await self._run_all(move_back, phase="setup")
         check_rebuilt(first)
-        check_copies(self._replicas[1:])  # a forward that made a part on some devices only
+        check_copies(self._replicas)  # a forward that made a part on some devices only
         first.grads.rebind()  # a cast in place since (model.double() then .float()) broke them
         if len(self._replicas) > 1:
             changes = attribute_changes(first)

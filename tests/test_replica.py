@@ -9,6 +9,7 @@ kept its own weights, flags and modes).
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from typing import Any
 
@@ -799,3 +800,17 @@ async def test_an_attribute_the_forward_sets_stays_each_device_s_own_across_call
     LAST_SEEN.clear()
     await trainer.validate(batches)
     assert sorted(LAST_SEEN, key=lambda seen: seen[0]) == [("cpu#0", None), ("cpu#1", None)]
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_a_part_made_in_the_forward_on_every_device_is_refused_as_the_model_s(
+    devices: int,
+) -> None:
+    # Every device's share holds an outlier: the message named one device's copy and blamed
+    # the share, where every copy (or the one) had made it.
+    batches = make_batches([8])
+    batches[0][0][1, 0] = batches[0][0][6, 0] = 100.0  # in both halves
+    trainer = trainer_on(devices, GrowsOnOutliers("buffer"))
+    where = "the model (on every device)" if devices > 1 else "the model"
+    with pytest.raises(ConfigurationError, match=re.escape(f"{where} gained or lost a buffer")):
+        await trainer.fit(batches, epochs=1)

@@ -1311,9 +1311,9 @@ async def test_continuing_an_epoch_beside_another_trainer_warns_if_its_order_is_
         other.stop()
     assert trainer.epoch == 1
     alone = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
-    loader.generator = None
+    loader = DataLoader(TensorDataset(inputs, targets), batch_size=4, shuffle=True)
     assert (await fit_until_stopped(alone, loader, epochs=1, at_step=2)).stopped
-    await alone.fit(loader, epochs=1)  # alone: no warning
+    await alone.fit(loader, epochs=1)  # the global generator's order, alone: no warning
 
 
 @pytest.mark.parametrize("devices", [1, 2])
