@@ -95,6 +95,8 @@ class Epochs(DistributedSteps):
     _left_loading: Prefetcher | None  # the epoch's loader, closed inside a call into the data
     _epoch_rng: dict[str, Any] | None
     _epoch_shared: bool  # another trainer of this process trained as the epoch drew its order
+    _frozen_versions: list[tuple[str, torch.Tensor, int]]  # as the call started (_mirror_first)
+    _warned_frozen: bool
     _loader_rng: dict[str, Any] | None
     _resumed_loader_rng: dict[str, Any] | None
     _epoch_sums: Sums
@@ -481,6 +483,7 @@ class Epochs(DistributedSteps):
             raise cancelled
         if taken and not self._replicas_compared:
             self._replicas_compared = True
+            self._warn_if_frozen_written()
             await self._compare_replicas("this fit's first step")
 
     async def _compare_replicas(self, after: str) -> None:
@@ -509,7 +512,39 @@ class Epochs(DistributedSteps):
                     "takes the first device's after each step, as DDP does), and make in-place "
                     "changes to parameters the same on every device (renormalize every row, "
                     "not those of the batch)"
+                    + (
+                        ". A frozen parameter the step updates (an EMA or mean teacher's "
+                        "weights) also differs where a device's share was empty (the step is "
+                        "not called for it) or a failed step was retried (its write is not "
+                        "undone): keep such weights as buffers"
+                        if not dict(self._replicas[0].model.named_parameters())[name].requires_grad
+                        else ""
+                    )
                 )
+
+    def _warn_if_frozen_written(self) -> None:
+        """Warn, once, where the fit's first step changed a frozen parameter of
+        ``trainer.model`` in place (`Steps._mirror_first` noted their versions): an EMA or mean
+        teacher kept as parameters. The backup of a step covers the trained parameters and
+        the buffers: a failed step's write to such a one is not undone, and its retry writes
+        it again."""
+        written = [
+            name for name, param, version in self._frozen_versions if param._version != version
+        ]
+        self._frozen_versions = []
+        if written and not self._warned_frozen:
+            self._warned_frozen = True
+            shown = ", ".join(written[:3]) + (", ..." if len(written) > 3 else "")
+            warn_user(
+                f"the step changed frozen parameters of trainer.model in place ({shown}: an "
+                "EMA or mean teacher's weights, say). A failed step's undo restores the trained "
+                "parameters and the buffers, not these: a retried step (on_failure='retry', or "
+                "fit called again) writes them twice, and a device whose share of a batch is "
+                "empty skips the step and its write. Keep such weights as buffers "
+                "(register_buffer), which the undo restores and every device takes from the "
+                "first after each step",
+                AsyncDDPRuntimeWarning,
+            )
 
     def _epoch_record(self, epoch: int) -> EpochRecord:
         sums = self._epoch_sums

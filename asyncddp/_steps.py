@@ -135,6 +135,7 @@ class Steps:
     global_step: int
     _replicas: list[Replica]
     _attributes_carried: bool  # a call carried module attributes over (see _mirror_first)
+    _frozen_versions: list[tuple[str, torch.Tensor, int]]
     _queued_undos: list[JobQueuedError]
     _optimizer_factory: OptimizerFactory
     _scheduler_factory: SchedulerFactory | None
@@ -188,6 +189,11 @@ class Steps:
             await self._run_all(self._jobs().mirror, changes, phase="setup")
         first.module_attrs = attribute_snapshot(first.model)
         self._attributes_carried = True  # the call's end takes the snapshot again
+        self._frozen_versions = [  # a step that writes one is told of (_warn_if_frozen_written)
+            (name, param, param._version)
+            for name, param in first.model.named_parameters()
+            if not param.requires_grad
+        ]
 
     def _apply_work(self, coefficient: float = 1.0, unused: tuple[int, ...] = ()) -> ApplyWork:
         """The next optimizer step's work, under a new apply id."""
