@@ -488,15 +488,19 @@ def attribute_changes(first: Replica) -> list[tuple[int, str, Any]]:
     return changes
 
 
-def _carried(value: Any, device: torch.device) -> Any:
-    """``value`` for a replica on ``device``: a tensor copied there, an object copied (as the
-    replicas were made), a number or a string as it is."""
+def _carried(value: Any, device: torch.device, memo: dict[int, Any]) -> Any:
+    """``value`` for a replica on ``device``: a module, parameter or buffer of
+    ``trainer.model`` the replica's own counterpart (``memo``, by id), another tensor copied
+    there, another object copied (as the replicas were made, its references to the model's
+    parts made the replica's), a number or a string as it is."""
+    if id(value) in memo:
+        return memo[id(value)]
     if isinstance(value, torch.Tensor):
         return value.detach().to(device, copy=True)
     if isinstance(value, (int, float, complex, str, bytes, type(None), torch.dtype)):
         return value
     try:
-        return copy.deepcopy(value)
+        return copy.deepcopy(value, dict(memo))
     except Exception:
         return value
 
@@ -527,11 +531,20 @@ def mirror(replica: Replica, first: Replica, changes: Sequence[tuple[int, str, A
             module.set_extra_state(copy.deepcopy(source.get_extra_state()))
         for hooks in _HOOK_DICTS:
             _carry_hooks(getattr(module, hooks, None), getattr(source, hooks, None))
-    for index, name, value in changes:
-        if value is DELETED:
-            modules[index].__dict__.pop(name, None)
-        else:
-            modules[index].__dict__[name] = _carried(value, replica.device.torch_device)
+    if changes:
+        memo: dict[int, Any] = {}
+        for mine, theirs in (
+            (modules, first.model.modules()),
+            (replica.model.parameters(), first.model.parameters()),
+            (replica.model.buffers(), first.model.buffers()),
+        ):
+            memo.update((id(t), m) for m, t in zip(mine, theirs, strict=True))
+        for index, name, value in changes:
+            if value is DELETED:
+                modules[index].__dict__.pop(name, None)
+            else:
+                carried = _carried(value, replica.device.torch_device, memo)
+                modules[index].__dict__[name] = carried
 
 
 def _carry_hooks(mine: Any, theirs: Any) -> None:

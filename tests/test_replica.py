@@ -839,3 +839,17 @@ async def test_a_step_that_writes_a_frozen_parameter_warns_that_an_undo_misses_i
     ):
         await trainer.fit(make_batches([4, 4]), epochs=1)
     await trainer.fit(make_batches([4, 4]), epochs=2)  # told once
+
+
+async def test_an_attribute_referring_to_the_model_s_parts_refers_to_each_copy_s_own() -> None:
+    # A list of submodules assigned between calls: a plain deep copy gave the second device
+    # copies of the first device's modules, with their weights as they were then.
+    trainer = trainer_on(2, make_model())
+    await trainer.fit(make_batches([4]), epochs=1)
+    trainer.model.pair = [trainer.model[0], trainer.model[0].weight, "tag"]
+    await trainer.validate(make_batches([4]))
+    for replica in trainer._replicas:
+        layer, weight, tag = replica.model.pair
+        assert layer is replica.model[0]
+        assert weight is replica.model[0].weight
+        assert tag == "tag"
