@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
@@ -37,6 +38,7 @@ from . import _checkpoint, _comm, distributed
 from ._checks import warn_user
 from ._comm import Comm, Global
 from ._exceptions import AsyncDDPRuntimeWarning, ConfigurationError, WorkerFailedError
+from ._exit import wait_at_exit
 from ._jobs import ExchangeWork, Sums, TrainWork, exchange_gradients
 from ._loop import current_waker
 from ._ranks import rank_view, set_sampler_epoch
@@ -65,7 +67,11 @@ def for_other_trainers_call(error: BaseException) -> bool:
 
 
 async def collective(
-    fn: Callable[..., T], *args: Any, device: torch.device, name: str = "asyncddp-collective"
+    fn: Callable[..., T],
+    *args: Any,
+    device: torch.device,
+    name: str = "asyncddp-collective",
+    after_cancel: float | None = None,
 ) -> tuple[T, BaseException | None]:
     """``fn(*args)``, which talks to the other ranks, on a thread of its own, awaited to its end
     even if the caller is cancelled meanwhile (``anyio.to_thread`` gives up on a plain
@@ -81,6 +87,11 @@ async def collective(
     must re-raise, as that very object; a cancel scope's (trio, anyio) is held off and comes
     back by itself at the next checkpoint. If ``fn`` raised, so does this: with a cancellation,
     the cancellation, caused by ``fn``'s error (as `StepScheduler.run`).
+
+    With ``after_cancel``, an asyncio cancellation waits that many seconds at most for
+    ``fn``: then it is raised (`CollectiveLeft` its cause), and ``fn`` goes on in its thread,
+    which the interpreter's exit waits for a while. A notebook's stop button cancels once,
+    and never raises the ``KeyboardInterrupt`` that ends a wait in a script.
     """
     waker = current_waker()
     outcome: list[tuple[bool, Any]] = []
@@ -94,11 +105,23 @@ async def collective(
             outcome.append((False, error))
         waker.wake_threadsafe()
 
-    threading.Thread(target=target, name=name, daemon=True).start()
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
     cancellation: BaseException | None = None
+    deadline: float | None = None
     while not outcome:
-        _, cancelled = await waker.wait_shielded(None)
+        # With after_cancel, a look every 0.25 s: a shielded wait tells of a cancellation
+        # only once it returns.
+        wake = None if after_cancel is None else time.monotonic() + 0.25
+        _, cancelled = await waker.wait_shielded(wake)
+        if cancelled is not None and cancellation is None and after_cancel is not None:
+            deadline = time.monotonic() + after_cancel
         cancellation = cancellation or cancelled
+        if not outcome and deadline is not None and time.monotonic() >= deadline:
+            assert cancellation is not None
+            wait_at_exit(thread)
+            cancellation.__cause__ = CollectiveLeft(name, after_cancel or 0.0)
+            raise cancellation
     ok, value = outcome[0]
     if not ok:
         if cancellation is not None and isinstance(value, Exception):
@@ -106,6 +129,17 @@ async def collective(
             raise cancellation
         raise value
     return value, cancellation
+
+
+class CollectiveLeft(Exception):
+    """The cause of a cancellation that stopped waiting for a `collective` call still running
+    in its thread (``after_cancel``)."""
+
+    def __init__(self, name: str, seconds: float) -> None:
+        super().__init__(
+            f"{name} still running {seconds:g} s after the cancellation: it goes on in its "
+            "thread, and this call ends without it"
+        )
 
 
 class DistributedSteps(Steps):

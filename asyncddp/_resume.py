@@ -37,6 +37,10 @@ __all__ = ["Resumable"]
 
 _log = logging.getLogger("asyncddp")
 
+#: How long a cancellation waits for a checkpoint being written, in seconds, before it is
+#: raised with the write left to end in its thread (see `Resumable._write_checkpoint`).
+CHECKPOINT_CANCEL_WAIT = 10.0
+
 
 class Resumable(Epochs):
     """Position, checkpoints and resuming for `Trainer` (a mixin)."""
@@ -197,9 +201,17 @@ class Resumable(Epochs):
 
         A cancellation meanwhile waits for the write, which is said as any other, and is
         raised after it: anyio's thread gave up on a plain ``task.cancel()`` at once, and the
-        file appeared later with no `CheckpointSaved`, the caller told it was not written."""
+        file appeared later with no `CheckpointSaved`, the caller told it was not written.
+        It waits `CHECKPOINT_CANCEL_WAIT` seconds at most (a write stalled on a network disk):
+        a notebook's stop button cancels once, and the cell would wait for the write without
+        end."""
         (written, refused), cancellation = await collective(
-            _save_and_scan, state, path, device=torch.device("cpu"), name="asyncddp-checkpoint"
+            _save_and_scan,
+            state,
+            path,
+            device=torch.device("cpu"),
+            name="asyncddp-checkpoint",
+            after_cancel=CHECKPOINT_CANCEL_WAIT,
         )
         if refused and not self._warned_unloadable:
             self._warned_unloadable = True  # each epoch's would say it again

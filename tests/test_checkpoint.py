@@ -824,6 +824,52 @@ def test_a_save_cancelled_as_it_writes_waits_for_the_write_and_says_so(
     assert _checkpoint.load(target)["global_step"] == 0
 
 
+def test_a_save_cancelled_as_a_stalled_write_runs_gives_up_on_it_after_a_while(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A notebook's stop button cancels once (later presses do nothing, and no
+    # KeyboardInterrupt comes): a write stalled on a network disk held the cell for as long as
+    # the write took, without end for one that never returns.
+    import asyncio
+    import threading
+    import time
+
+    from asyncddp import _resume
+    from asyncddp._dsteps import CollectiveLeft
+
+    save, stalled, writing = _checkpoint.save, threading.Event(), threading.Event()
+
+    def stalled_save(state: Any, path: Any) -> Any:
+        writing.set()
+        stalled.wait(30)
+        return save(state, path)
+
+    monkeypatch.setattr(_checkpoint, "save", stalled_save)
+    monkeypatch.setattr(_resume, "CHECKPOINT_CANCEL_WAIT", 0.3)
+    trainer = make_trainer(2)
+    target = tmp_path / "now.ckpt"
+
+    async def main() -> float:
+        task = asyncio.create_task(trainer.save_checkpoint(target))
+        assert await asyncio.to_thread(writing.wait, 10)  # in the write
+        started = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError) as cancelled:
+            await task
+        assert isinstance(cancelled.value.__cause__, CollectiveLeft)
+        return time.monotonic() - started
+
+    try:
+        assert asyncio.run(main()) < 5.0  # the write stalls for 30 s
+        assert not target.exists()
+    finally:
+        stalled.set()
+    for thread in threading.enumerate():
+        if thread.name == "asyncddp-checkpoint":
+            thread.join(10)
+    assert _checkpoint.load(target)["global_step"] == 0  # the write went on, whole
+
+
 async def test_a_checkpoint_with_a_bit_changed_is_refused_as_corrupt(tmp_path: Any) -> None:
     # torch's reader does not check the records' CRC-32s: a flipped bit in a weight loaded,
     # and training went on from the wrong weight, without a word.
