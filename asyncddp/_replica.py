@@ -362,7 +362,10 @@ def check_rebuilt(first: Replica) -> None:
                 )
             continue
         if id(was) in trained:
-            _refuse(f"{names[id(param)]} is another parameter now (a trained one)")
+            _refuse(
+                f"{names[id(param)]} is another parameter now, in place of one the optimizers "
+                "train (a layer replaced: trainer.model[0] = nn.Linear(...))"
+            )
         if _layout(param) != layout:
             _refuse(
                 f"{names[id(param)]} is another parameter now, of another shape, dtype or device"
