@@ -215,7 +215,10 @@ async def test_a_parameter_replaced_between_fits_is_refused_before_any_step(devi
     await trainer.fit(batches, epochs=1)
     original = trainer.model[3]
     trainer.model[3] = nn.Linear(16, 3)  # no optimizer holds its parameters
-    with pytest.raises(ConfigurationError, match=r"3\.weight is another parameter now \(a trained"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"3\.weight is another parameter now, in place of one the optimizers train",
+    ):
         await trainer.fit(batches, epochs=2)
     assert trainer.global_step == 1
     trainer.model[3] = original
