@@ -1529,7 +1529,8 @@ def _check_data(data: Iterable[Any], name: str, passes: int) -> None:
             "list of batches (a batch may be a dict of tensors), or a DataLoader"
         )
     if (
-        type(data) in (list, tuple)  # a subclass may load as it iterates: not read here
+        isinstance(data, (list, tuple))
+        and type(data) in (list, tuple)  # a subclass may load as it iterates: not read here
         and data
         and all(
             isinstance(part, (torch.utils.data.DataLoader, torch.utils.data.Dataset))
