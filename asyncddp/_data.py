@@ -221,13 +221,16 @@ def _per_item(value: list[Any] | tuple[Any, ...], size: int) -> bool:
     ``default_collate`` makes of strings; a field that is ``None`` for some items; each item's
     list of words; each item's dict of metadata). Not numbers and ``None`` alone (a (height,
     width) pair, a crop of (224, None): ``default_collate`` would have made per-item numbers a
-    tensor), nor a list of fields each one entry an item (``default_collate``'s of samples
-    holding a pair of texts: [premises, hypotheses]), whose fields are split instead."""
+    tensor), nor a list of lists each one entry an item (``default_collate``'s of samples
+    holding a pair of texts, [premises, hypotheses]: it makes lists), whose fields are split
+    instead. Each item's own tuple (a pair, a triplet) is an item's whatever its length; each
+    item's list of words is too, unless every one has as many words as the batch has items,
+    which reads as ``default_collate``'s fields."""
     return (
         type(value) in (list, tuple)
         and len(value) == size
         and not all(isinstance(item, _NUMBERS) or item is None for item in value)
-        and not all(type(item) in (list, tuple) and len(item) == size for item in value)
+        and not all(type(item) is list and len(item) == size for item in value)
         and not _holds_tensor(value)
     )
 

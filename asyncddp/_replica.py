@@ -451,10 +451,8 @@ def _refuse(what: str) -> NoReturn:
 #: An attribute deleted from a module of ``trainer.model`` (see `attribute_changes`).
 DELETED = object()
 
-#: Attributes of a module that are the module's machinery, not its settings or state.
-_MACHINERY = frozenset({"training"})
-
-#: The hooks a module keeps, by the attribute each lives in (``register_forward_hook``...).
+#: The hooks a module keeps, by the attribute each lives in (``register_forward_hook``...),
+#: and the flag a full backward hook sets beside them.
 _HOOK_DICTS = (
     "_forward_hooks",
     "_forward_hooks_with_kwargs",
@@ -464,42 +462,102 @@ _HOOK_DICTS = (
     "_backward_hooks",
     "_backward_pre_hooks",
 )
+_FULL_BACKWARD = "_is_full_backward_hook"
+
+#: What every module keeps in its ``__dict__``: torch's machinery (its parameters, buffers,
+#: submodules, hooks, mode), not a setting or a state of the module's own.
+_INTERNALS = frozenset(vars(nn.Module()))
 
 
-def attribute_snapshot(model: nn.Module) -> list[dict[str, Any]]:
-    """Each module's own attributes (``vars``, less its machinery: a temperature, a dropout's
-    ``p``, a recurrent state kept as an attribute), as the objects they are now."""
-    return [
-        {k: v for k, v in vars(m).items() if k[:1] != "_" and k not in _MACHINERY}
-        for m in model.modules()
-    ]
+def attribute_snapshot(model: nn.Module) -> list[dict[Any, Any]]:
+    """For each module: its own attributes (``vars``, less torch's machinery: a temperature,
+    a dropout's ``p``, a recurrent state kept as an attribute, private ones too), as the
+    objects they are now; and, under ``(name,)`` keys, the ids of the hooks in each of its hook
+    dicts, in order, and its full-backward-hook flag."""
+    snapshot: list[dict[Any, Any]] = []
+    for module in model.modules():
+        entries: dict[Any, Any] = {k: v for k, v in vars(module).items() if k not in _INTERNALS}
+        for name in _HOOK_DICTS:
+            hooks = getattr(module, name, None)
+            if hooks:
+                entries[(name,)] = tuple(hooks)
+        entries[(_FULL_BACKWARD,)] = getattr(module, _FULL_BACKWARD, None)
+        snapshot.append(entries)
+    return snapshot
 
 
-def attribute_changes(first: Replica) -> list[tuple[int, str, Any]]:
-    """The attributes of ``trainer.model``'s modules set (to another object), added or
-    deleted since the last call ended (`Replica.module_attrs`), as (module index, name,
-    value or `DELETED`): what the user changed between calls, which `mirror` gives every
-    replica. One the forward changes (a recurrent state) is each device's own during a call;
-    one changed in place (a list appended to) is not seen: assign a new value."""
-    changes: list[tuple[int, str, Any]] = []
+_MISSING = object()
+
+
+def _same(before: Any, now: Any) -> bool:
+    """Whether a snapshot's entry is unchanged: the same object (an attribute), or equal ids
+    (a hook dict's)."""
+    return before is now or (type(before) is tuple and type(now) is tuple and before == now)
+
+
+def attribute_changes(first: Replica) -> list[tuple[int, Any, Any]]:
+    """What changed on ``trainer.model``'s modules since the last call ended
+    (`Replica.module_attrs`): an attribute set (to another object), added or deleted, as
+    (module index, name, value or `DELETED`); hooks registered or removed, as (module index,
+    (hook dict's name,), the ids it held then). What the user changed between calls, which
+    `mirror` gives every replica. One the forward changes (a recurrent state) is each
+    device's own during a call; one changed in place (a list appended to) is not seen: assign
+    a new value."""
+    changes: list[tuple[int, Any, Any]] = []
     now = attribute_snapshot(first.model)
-    for index, (attrs, before) in enumerate(zip(now, first.module_attrs, strict=True)):
-        for name, value in attrs.items():
-            if name not in before or before[name] is not value:
-                changes.append((index, name, value))
-        changes.extend((index, name, DELETED) for name in before if name not in attrs)
+    for index, (entries, before) in enumerate(zip(now, first.module_attrs, strict=True)):
+        for name in entries.keys() | before.keys():
+            was, value = before.get(name, _MISSING), entries.get(name, _MISSING)
+            if _same(was, value):
+                continue
+            if isinstance(name, tuple):  # a hook dict: the ids it held
+                changes.append((index, name, () if was is _MISSING else was))
+            else:
+                changes.append((index, name, DELETED if value is _MISSING else value))
     return changes
 
 
-def _carried(value: Any, device: torch.device, memo: dict[int, Any]) -> Any:
+def settle_snapshots(replicas: Sequence[Replica]) -> None:
+    """At a call's end, take each replica's snapshot again (`attribute_snapshot`): what the
+    forward set during the call is each device's own, and is not carried over. But an
+    attribute or hook changed on ``trainer.model`` alone during the call (by an event
+    consumer: the other replicas still hold what the call's start gave them) keeps its old
+    entry, so that the next call carries it over."""
+    first, others = replicas[0], replicas[1:]
+    now = attribute_snapshot(first.model)
+    theirs = [attribute_snapshot(replica.model) for replica in others]
+    for index, (entries, before) in enumerate(zip(now, first.module_attrs, strict=True)):
+        for name in entries.keys() | before.keys():
+            was = before.get(name, _MISSING)
+            if _same(was, entries.get(name, _MISSING)):
+                continue
+            moved = any(
+                not _same(
+                    replica.module_attrs[index].get(name, _MISSING), mine[index].get(name, _MISSING)
+                )
+                for replica, mine in zip(others, theirs, strict=True)
+            )
+            if others and not moved:  # changed on trainer.model alone: still to carry over
+                if was is _MISSING:
+                    del entries[name]
+                else:
+                    entries[name] = was
+    first.module_attrs = now
+    for replica, mine in zip(others, theirs, strict=True):
+        replica.module_attrs = mine
+
+
+def _carried(value: Any, device: torch.device, source: torch.device, memo: dict[int, Any]) -> Any:
     """``value`` for a replica on ``device``: a module, parameter or buffer of
-    ``trainer.model`` the replica's own counterpart (``memo``, by id), another tensor copied
-    there, another object copied (as the replicas were made, its references to the model's
-    parts made the replica's), a number or a string as it is."""
+    ``trainer.model`` the replica's own counterpart (``memo``, by id); another tensor copied,
+    to ``device`` if it is on the first replica's (``source``), else where it is (lengths for
+    ``pack_padded_sequence``, kept on the CPU); another object copied (as the replicas were
+    made, its references to the model's parts made the replica's); a number or a string as
+    it is."""
     if id(value) in memo:
         return memo[id(value)]
     if isinstance(value, torch.Tensor):
-        return value.detach().to(device, copy=True)
+        return value.detach().to(device if value.device == source else value.device, copy=True)
     if isinstance(value, (int, float, complex, str, bytes, type(None), torch.dtype)):
         return value
     try:
@@ -508,7 +566,20 @@ def _carried(value: Any, device: torch.device, memo: dict[int, Any]) -> Any:
         return value
 
 
-def mirror(replica: Replica, first: Replica, changes: Sequence[tuple[int, str, Any]] = ()) -> None:
+def _carry_hooks(mine: dict[int, Any], theirs: dict[int, Any], before: tuple[int, ...]) -> None:
+    """Make a replica's hook dict ``mine`` hold what ``theirs`` (its module's of
+    ``trainer.model``) holds, in its order: a hook the replica has already is kept as its own
+    copy (made with the model, bound to the copy's module); one registered on
+    ``trainer.model`` since is added, and one removed there (in ``before``) is removed. A
+    hook the replica's own forward registered (in neither) is kept, last."""
+    own = [key for key in mine if key not in theirs and key not in before]
+    rebuilt = {key: mine.get(key, hook) for key, hook in theirs.items()}
+    rebuilt.update((key, mine[key]) for key in own)
+    mine.clear()
+    mine.update(rebuilt)
+
+
+def mirror(replica: Replica, first: Replica, changes: Sequence[tuple[int, Any, Any]] = ()) -> None:
     """Make ``replica`` what ``first`` (``trainer.model``) is now: its parameters' and
     buffers' values, which parameters require grad, the parameters' attributes and gradient
     hooks (`carry_parameter_extras`), every module's train/eval mode and extra state
@@ -527,40 +598,32 @@ def mirror(replica: Replica, first: Replica, changes: Sequence[tuple[int, str, A
             param.requires_grad_(first_param.requires_grad)
         replica.take_buffers(first)
     carry_parameter_extras(replica.model, first.model, replica.device.torch_device)
-    modules = list(replica.model.modules())
-    for module, source in zip(modules, first.model.modules(), strict=True):
+    modules, sources = list(replica.model.modules()), list(first.model.modules())
+    for module, source in zip(modules, sources, strict=True):
         module.training = source.training
         if type(source).get_extra_state is not nn.Module.get_extra_state:
             module.set_extra_state(copy.deepcopy(source.get_extra_state()))
-        for hooks in _HOOK_DICTS:
-            _carry_hooks(getattr(module, hooks, None), getattr(source, hooks, None))
-    if changes:
-        memo: dict[int, Any] = {}
-        for mine, theirs in (
-            (modules, first.model.modules()),
-            (replica.model.parameters(), first.model.parameters()),
-            (replica.model.buffers(), first.model.buffers()),
-        ):
-            memo.update((id(t), m) for m, t in zip(mine, theirs, strict=True))
-        for index, name, value in changes:
-            if value is DELETED:
-                modules[index].__dict__.pop(name, None)
-            else:
-                carried = _carried(value, replica.device.torch_device, memo)
-                modules[index].__dict__[name] = carried
-
-
-def _carry_hooks(mine: Any, theirs: Any) -> None:
-    """Add the hooks ``theirs`` (a module's of ``trainer.model``) has that ``mine`` (its copy's)
-    lacks, and remove those it no longer has: by handle id, unique in the process. A hook the
-    copy has already is left as its copy (made with the model, bound to the copy's module)."""
-    if not isinstance(mine, dict) or not isinstance(theirs, dict) or mine.keys() == theirs.keys():
+    if not changes:
         return
-    for key in [key for key in mine if key not in theirs]:
-        del mine[key]
-    for key, hook in theirs.items():
-        if key not in mine:
-            mine[key] = hook
+    memo: dict[int, Any] = {}
+    for mine, theirs in (
+        (modules, sources),
+        (replica.model.parameters(), first.model.parameters()),
+        (replica.model.buffers(), first.model.buffers()),
+    ):
+        memo.update((id(t), m) for m, t in zip(mine, theirs, strict=True))
+    for index, name, value in changes:
+        module, source = modules[index], sources[index]
+        if name == (_FULL_BACKWARD,):
+            setattr(module, _FULL_BACKWARD, getattr(source, _FULL_BACKWARD, None))
+        elif isinstance(name, tuple):
+            _carry_hooks(getattr(module, name[0]), getattr(source, name[0]), value)
+        elif value is DELETED:
+            module.__dict__.pop(name, None)
+        else:
+            module.__dict__[name] = _carried(
+                value, replica.device.torch_device, first.device.torch_device, memo
+            )
 
 
 def carry_parameter_extras(model: nn.Module, source: nn.Module, device: torch.device) -> None:

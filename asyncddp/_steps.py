@@ -187,11 +187,17 @@ class Steps:
         if len(self._replicas) > 1:
             changes = attribute_changes(first)
             await self._run_all(self._jobs().mirror, changes, phase="setup")
-        first.module_attrs = attribute_snapshot(first.model)
-        self._attributes_carried = True  # the call's end takes the snapshot again
-        self._frozen_versions = [  # a step that writes one is told of (_warn_if_frozen_written)
+        for replica in self._replicas:
+            replica.module_attrs = attribute_snapshot(replica.model)
+        self._attributes_carried = True  # the call's end settles them (settle_snapshots)
+
+    def _note_frozen_versions(self) -> None:
+        """Note the versions of ``trainer.model``'s frozen parameters as a call's steps begin
+        (after rank 0's model is taken, which writes every one): a step that writes one is told
+        of (`_warn_if_frozen_written`)."""
+        self._frozen_versions = [
             (name, param, param._version)
-            for name, param in first.model.named_parameters()
+            for name, param in self._replicas[0].model.named_parameters()
             if not param.requires_grad
         ]
 

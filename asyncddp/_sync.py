@@ -31,6 +31,7 @@ every scratch chunk into each replica's buffer (peers read scratch buffers, neve
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 from collections.abc import Iterable, Sequence
@@ -371,26 +372,17 @@ def all_gather(replicas: Sequence[FlatGrads], index: int, coefficient: float) ->
 _PLAIN = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device)
 
 
-def _snapshot(value: Any) -> Any:
+def _snapshot(value: Any, params: Sequence[torch.Tensor]) -> Any:
     """A copy of an optimizer state's value that is not a tensor, for a backup: a number or a
-    string as it is (nothing changes it in place); a list, tuple or dict copied, with the
-    tensors in it (a custom optimizer's list of statistics, changed in place by a step)
-    cloned, and its lists, tuples and dicts copied so in turn. Anything else (a module, a
-    parameter, an object of the optimizer's own) is kept as it is: a copy would not be the
-    object the optimizer refers to."""
+    string as it is (nothing changes it in place); anything else (a custom optimizer's list or
+    deque of statistics, changed in place by a step) copied deeply, the parameters it refers
+    to kept as themselves (and a value that cannot be copied kept as it is)."""
     if isinstance(value, _PLAIN):
         return value
-    kind = type(value)
-    if kind is list or kind is tuple:
-        copied = [_snapshot(item) for item in value]
-        if kind is tuple and all(a is b for a, b in zip(copied, value, strict=True)):
-            return value  # a tuple of plain values (betas): nothing in it changes
-        return kind(copied)
-    if kind is dict:
-        return {key: _snapshot(item) for key, item in value.items()}
-    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-        return value.detach().clone()
-    return value
+    try:
+        return copy.deepcopy(value, {id(p): p for p in params})
+    except Exception:
+        return value
 
 
 @dataclass
@@ -433,7 +425,7 @@ class _Copy:
             if state is not None:
                 for key, value in optimizer.state[param].items():
                     if not isinstance(value, torch.Tensor):
-                        state[key] = _snapshot(value)
+                        state[key] = _snapshot(value, params)
 
 
 def _fits(buffer: torch.Tensor, value: torch.Tensor) -> bool:
@@ -514,7 +506,7 @@ def _copy_tensors(
                 values.append(value.detach())
                 kept[key] = buffer
             else:
-                kept[key] = _snapshot(value)
+                kept[key] = _snapshot(value, params)
         states.append(kept)
     if part is None:
         torch._foreach_copy_(targets, values)
@@ -622,7 +614,7 @@ class StepBackup:
             tensors,
             groups,
             scheduler.state_dict() if scheduler is not None else None,
-            {key: _snapshot(value) for key, value in _extra_state(optimizer)}
+            {key: _snapshot(value, params) for key, value in _extra_state(optimizer)}
             if len(optimizer.state) > tensors.present
             else {},
             tuple(map(weakref.ref, peers)),
@@ -671,7 +663,7 @@ class StepBackup:
                     del live[key]
             for key, value in state.items():
                 if not isinstance(value, torch.Tensor):
-                    live[key] = _snapshot(value)  # the saved copy stays as it was
+                    live[key] = _snapshot(value, params)  # the saved copy stays as it was
                     continue
                 target = live.get(key)
                 if not isinstance(target, torch.Tensor) or not _fits(target, value):
@@ -686,7 +678,7 @@ class StepBackup:
             if key not in saved.extra:
                 del optimizer.state[key]
         for key, value in saved.extra.items():
-            optimizer.state[key] = _snapshot(value)
+            optimizer.state[key] = _snapshot(value, params)
         for group, hyper in zip(optimizer.param_groups, saved.groups, strict=True):
             restore_group_settings(group, hyper)
         if scheduler is not None and saved.scheduler is not None:

@@ -86,12 +86,12 @@ from ._replica import (
     Replica,
     SchedulerFactory,
     StepFunction,
-    attribute_snapshot,
     build_replica,
     carry_parameter_extras,
     group_layout,
     has_sparse_gradients,
     move_to,
+    settle_snapshots,
 )
 from ._resume import Resumable
 from ._scheduler import JobQueuedError, StepScheduler
@@ -1028,6 +1028,7 @@ class Trainer(Resumable, Generic[M]):
                 if kind in ("fit", "validate"):  # every rank is in these, none in a checkpoint
                     await self._mirror_first()  # what the user changed on trainer.model since
                     await self._take_rank_0s_model()
+                    self._note_frozen_versions()
             yield scheduler
             ended = True
         finally:
@@ -1045,11 +1046,11 @@ class Trainer(Resumable, Generic[M]):
                             self._stragglers += current._left_behind
             finally:
                 if self._attributes_carried:
-                    # What the forward set on trainer.model's modules in this call (a
-                    # recurrent state) is the first device's own: only what changes from
-                    # here on, between calls, is the user's to carry over (_mirror_first).
+                    # What the forward set on the modules in this call (a recurrent state) is
+                    # each device's own; what an event consumer set on trainer.model alone is
+                    # carried over by the next call (_mirror_first).
                     self._attributes_carried = False
-                    self._replicas[0].module_attrs = attribute_snapshot(self._replicas[0].model)
+                    settle_snapshots(self._replicas)
                 self._session_kind = None
                 self._session_done.set()
 

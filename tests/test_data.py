@@ -54,7 +54,7 @@ def test_per_item_fields_are_split_with_their_items_whatever_their_entries() -> 
         "labels": [np.int64(i) for i in range(4)],  # NumPy's numbers alone too
         "tags": ["train", ["a", "b", "c", "d"]],  # not one entry an item: looked into
         # default_collate's of samples holding a pair of texts: each field split
-        "pair": [("p0", "p1", "p2", "p3"), ("h0", "h1", "h2", "h3")],
+        "pair": [["p0", "p1", "p2", "p3"], ["h0", "h1", "h2", "h3"]],
     }
     first, second = split_batch(batch, 2)
     assert second["ids"].tolist() == [2, 3]
@@ -65,13 +65,19 @@ def test_per_item_fields_are_split_with_their_items_whatever_their_entries() -> 
     assert first["size"] == second["size"] == batch["size"]  # whole, on each device
     assert first["labels"] == second["labels"] == batch["labels"]
     assert second["tags"] == ["train", ["c", "d"]]
-    assert second["pair"] == [("p2", "p3"), ("h2", "h3")]
+    assert second["pair"] == [["p2", "p3"], ["h2", "h3"]]
     # A batch of two: a pair of fields, each one entry an item, is not taken for per-item
-    # entries, and a setting of numbers and None is not cut.
-    pairs = [torch.arange(2), [("p0", "p1"), ("h0", "h1")], (224, None)]
+    # entries; each item's own pair (a tuple) is; a setting of numbers and None is not cut.
+    pairs = [
+        torch.arange(2),
+        [["p0", "p1"], ["h0", "h1"]],
+        (224, None),
+        [("q0", "a0"), ("q1", "a1")],
+    ]
     first, second = split_batch(pairs, 2)
-    assert second[1] == [("p1",), ("h1",)]
+    assert second[1] == [["p1"], ["h1"]]
     assert first[2] == second[2] == pairs[2]
+    assert second[3] == [("q1", "a1")]
 
 
 def test_a_batch_whose_tensors_differ_in_dim_0_names_their_sizes_in_order() -> None:

@@ -13,6 +13,7 @@ import re
 import threading
 from typing import Any
 
+import anyio
 import pytest
 import torch
 import torch.nn.functional as F
@@ -856,3 +857,69 @@ async def test_an_attribute_referring_to_the_model_s_parts_refers_to_each_copy_s
         assert layer is replica.model[0]
         assert weight is replica.model[0].weight
         assert tag == "tag"
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")  # inputs need none
+async def test_hooks_and_private_attributes_carried_keep_their_kind_and_order() -> None:
+    # A full backward hook registered between fits never ran on the second device (its flag
+    # was not carried); a hook registered with prepend=True ran last there; a private setting
+    # (trainer.model._scale) stayed as built.
+    trainer = trainer_on(2, Tempered())
+    await trainer.fit(make_batches([4]), epochs=1)
+    calls: list[str] = []
+    trainer.model.layer.register_full_backward_hook(
+        lambda module, grad_in, grad_out: calls.append("full")
+    )
+    order: list[str] = []
+    trainer.model.layer.register_forward_hook(lambda *args: order.append("second"))
+    trainer.model.layer.register_forward_hook(lambda *args: order.append("first"), prepend=True)
+    trainer.model._private = 3.0
+    await trainer.fit(make_batches([4]), epochs=2)
+    assert calls == ["full", "full"]  # one step, two devices
+    assert order == ["first", "second"] * 2
+    assert [r.model._private for r in trainer._replicas] == [3.0, 3.0]
+
+
+class HooksItself(nn.Module):
+    """Registers a hook on its layer in its first forward, bound to itself: each copy its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(FEATURES, 3)
+        self.seen = 0
+
+    def count(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.seen += 1
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if not self.layer._forward_hooks:
+            self.layer.register_forward_hook(self.count)
+        return self.layer(inputs)
+
+
+async def test_a_hook_a_copy_s_forward_registered_stays_that_copy_s() -> None:
+    # The next call made each copy's hooks those of trainer.model: the second device's was
+    # swapped for the first's, bound to trainer.model, which it then wrote from its thread.
+    trainer = trainer_on(2, HooksItself())
+    await trainer.fit(make_batches([4]), epochs=1)
+    await trainer.fit(make_batches([4]), epochs=2)
+    assert [r.model.seen for r in trainer._replicas] == [2, 2]
+
+
+async def test_an_attribute_an_event_consumer_sets_during_a_fit_reaches_every_device_next() -> None:
+    # Set on trainer.model between two epochs of a fit, the call's end took it for the
+    # forward's own and no later call carried it over: [4.0, 1.0].
+    trainer = trainer_on(2, Tempered())
+    stream = trainer.events()
+
+    async def anneal() -> None:
+        async for event in stream:
+            if isinstance(event, asyncddp.EpochEnded):
+                trainer.model.temperature = 4.0
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(anneal)
+        await trainer.fit(make_batches([4]), epochs=1)
+        stream.close()
+    await trainer.validate(make_batches([4]))
+    assert [r.model.temperature for r in trainer._replicas] == [4.0, 4.0]

@@ -508,6 +508,7 @@ leaves = st.sampled_from(
         "fields",
         "crop",
         "nplabels",
+        "pairs",
     ]
 )
 
@@ -539,7 +540,9 @@ def batches(draw: Any) -> tuple[Any, int, dict[int, tuple[Any, bool]]]:
         elif kind == "nested":  # a tag and a list as long as the batch: not one entry an item
             value = ["tag", [f"x{i}" for i in range(size)]]
         elif kind == "fields":  # default_collate's of samples holding a pair of texts
-            value = [tuple(f"p{i}" for i in range(size)), tuple(f"h{i}" for i in range(size))]
+            value = [[f"p{i}" for i in range(size)], [f"h{i}" for i in range(size)]]
+        elif kind == "pairs":  # each item's own pair, from a collate_fn of one's own
+            value = [(f"q{i}", f"a{i}") for i in range(size)]
         elif kind == "crop":  # a setting for the whole batch, numbers and None
             value = (224, None)
         elif kind == "nplabels":  # NumPy's numbers alone, as Python's: whole
@@ -591,12 +594,12 @@ def holds_tensor(value: Any) -> bool:
 
 def one_entry_an_item(value: Any, size: int) -> bool:
     """The documented rule (training.md, Data): a list or tuple as long as the batch that holds
-    no tensor, not numbers and None alone, nor fields each as long as the batch."""
+    no tensor, not numbers and None alone, nor lists each as long as the batch (fields)."""
     return (
         isinstance(value, (tuple, list))
         and len(value) == size > 0
         and not all(isinstance(entry, (int, float, np.number)) or entry is None for entry in value)
-        and not all(isinstance(entry, (tuple, list)) and len(entry) == size for entry in value)
+        and not all(type(entry) is list and len(entry) == size for entry in value)
         and not holds_tensor(value)
     )
 

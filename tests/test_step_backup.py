@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import gc
 import weakref
@@ -333,7 +334,9 @@ class StatsSGD(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:
         shared = self.state["global"]
         shared["t"] = shared.get("t", 0) + 1
-        shared["owner"] = self.param_groups[0]["owner"]  # an object the state refers to
+        shared.setdefault("sums", collections.deque()).append(
+            self.param_groups[0]["params"][0].grad.sum()
+        )
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state[p]
@@ -349,7 +352,7 @@ def stats_state(optimizer: torch.optim.Optimizer) -> list[Any]:
     def plain(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return value.tolist()
-        if isinstance(value, list):
+        if isinstance(value, (list, collections.deque)):
             return [plain(v) for v in value]
         if isinstance(value, dict):
             return {k: plain(v) for k, v in value.items()}
@@ -385,9 +388,8 @@ def test_a_restore_puts_back_state_held_in_lists_and_under_other_keys(ahead: boo
     assert backup.restore(params, optimizer, None)
     assert stats_state(optimizer) == before
     assert all(torch.equal(p, w) for p, w in zip(params, weights, strict=True))
-    # Objects the state and settings refer to stay those objects (a copy of the module, after
-    # a first version's restore).
-    assert optimizer.state["global"]["owner"] is model
+    # An object a group refers to stays that object (a copy of the module, after a first
+    # version's restore).
     assert optimizer.param_groups[0]["owner"] is model
     train_step(model, optimizer)  # the restored lists are copies: the backup stays as it was
     assert backup.restore(params, optimizer, None)
