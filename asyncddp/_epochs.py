@@ -97,6 +97,7 @@ class Epochs(DistributedSteps):
     _epoch_shared: bool  # another trainer of this process trained as the epoch drew its order
     _frozen_versions: list[tuple[str, torch.Tensor, int]]  # as the call started (_mirror_first)
     _warned_frozen: bool
+    _warned_thawed: bool
     _loader_rng: dict[str, Any] | None
     _resumed_loader_rng: dict[str, Any] | None
     _epoch_sums: Sums
@@ -495,6 +496,7 @@ class Epochs(DistributedSteps):
         and the model saved is the first's. Their parts are compared on every kind of device
         (`check_copies`)."""
         check_copies(self._replicas)
+        self._warn_if_thawed()
         if len(self._replicas) < 2 or any(d.torch_device.type != "cpu" for d in self.devices):
             return
         result = await self._scheduler_run(
@@ -521,6 +523,29 @@ class Epochs(DistributedSteps):
                         else ""
                     )
                 )
+
+    def _warn_if_thawed(self) -> None:
+        """Warn, once, of parameters the step thawed (``requires_grad_(True)``) that no
+        optimizer holds (frozen when the replicas were built): their gradients are made, and
+        never applied. (Thawed between calls, `check_rebuilt` warns.)"""
+        first = self._replicas[0]
+        trained = {id(p) for p in first.params}
+        thawed = [
+            name
+            for name, param in first.model.named_parameters()
+            if param.requires_grad and id(param) not in trained
+        ]
+        if thawed and not self._warned_thawed:
+            self._warned_thawed = True
+            shown = ", ".join(thawed[:3]) + (", ..." if len(thawed) > 3 else "")
+            warn_user(
+                f"{shown} of trainer.model require grad now, thawed during the fit, but were "
+                "frozen when the Trainer built its replicas: no optimizer holds them, so their "
+                "gradients are made and never applied. Have them trainable when the replicas "
+                "are built (the first fit, validate or save_checkpoint), and freeze them after "
+                "(the optimizers skip parameters without a gradient)",
+                AsyncDDPRuntimeWarning,
+            )
 
     def _warn_if_frozen_written(self) -> None:
         """Warn, once, where the fit's first step changed a frozen parameter of

@@ -336,13 +336,16 @@ class Jobs:
             raise
         if replica.gradients_accumulated != accumulated and _holds_gradients(replica):
             # (A step that cleared what its backward left, model.zero_grad() after an
-            # adversarial example's input gradient, is fine.)
+            # adversarial example's input gradient, passes this check; with
+            # accumulate_grad_batches it also clears the earlier micro-steps' gradients, so the
+            # message does not offer it.)
             raise StepOutputError(
                 "the step called backward() itself and left gradients in the model's "
                 "parameters: return the loss, and the trainer runs the backward, weighting "
                 "each device's gradients by its items before they are averaged (a backward "
                 "in the step too would count them twice). For gradients of the inputs, use "
-                "torch.autograd.grad(loss, inputs), or call model.zero_grad() before returning"
+                "torch.autograd.grad(loss, inputs), or loss.backward(inputs=[inputs]), which "
+                "leaves the parameters' gradients alone"
             )
         loss, metrics, counted = loss_and_metrics(output, training=True)
         if counted == 0:

@@ -304,7 +304,12 @@ class BufferSlots:
             if value is None:
                 if buffer is not None:
                     self.write(index, None)
-            elif buffer is not None and buffer.shape == value.shape and buffer.dtype == value.dtype:
+            elif (
+                buffer is not None
+                and buffer.shape == value.shape
+                and buffer.dtype == value.dtype
+                and not buffer.is_inference()  # made under inference_mode: no in-place write
+            ):
                 buffer.copy_(value, non_blocking=True)
             else:
                 self.write(index, value.detach().to(where(value), copy=True))

@@ -195,10 +195,12 @@ class Steps:
         """Note the versions of ``trainer.model``'s frozen parameters as a call's steps begin
         (after rank 0's model is taken, which writes every one): a step that writes one is told
         of (`_warn_if_frozen_written`)."""
+        first = self._replicas[0]
+        trained = {id(p) for p in first.params}  # thawed by the step (a GAN's toggle): stepped
         self._frozen_versions = [
             (name, param, param._version)
-            for name, param in self._replicas[0].model.named_parameters()
-            if not param.requires_grad
+            for name, param in first.model.named_parameters()
+            if not param.requires_grad and id(param) not in trained
         ]
 
     def _apply_work(self, coefficient: float = 1.0, unused: tuple[int, ...] = ()) -> ApplyWork:

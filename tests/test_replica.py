@@ -923,3 +923,51 @@ async def test_an_attribute_an_event_consumer_sets_during_a_fit_reaches_every_de
         stream.close()
     await trainer.validate(make_batches([4]))
     assert [r.model.temperature for r in trainer._replicas] == [4.0, 4.0]
+
+
+class InferenceMean(nn.Module):
+    """A running mean of its inputs, assigned anew in the forward under inference_mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(FEATURES, 3)
+        self.register_buffer("mean", torch.zeros(FEATURES))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            self.mean = 0.9 * self.mean + 0.1 * inputs.mean(0)
+        return self.layer(inputs)
+
+
+async def test_a_buffer_made_under_inference_mode_is_taken_by_every_device() -> None:
+    # Copying the first device's into it in place failed on the second ("Inplace update to
+    # inference tensor outside InferenceMode"), in phase optimizer.
+    trainer = trainer_on(2, InferenceMean())
+    await trainer.fit(make_batches([4, 4]), epochs=1)
+    first, second = (r.model.mean for r in trainer._replicas)
+    assert torch.equal(first, second)
+
+
+async def test_the_step_s_freezing_and_thawing_is_told_only_where_nothing_trains_the_part() -> None:
+    # A GAN's toggle left the generator frozen at a fit's end: the next fit warned that the
+    # step wrote frozen parameters (the optimizer's own steps). A part frozen when the
+    # replicas were built and thawed by the step trained never, without a word.
+    def toggling(model: nn.Module, batch: Batch) -> torch.Tensor:
+        step = asyncddp.current_worker().step  # type: ignore[union-attr]
+        model[0].requires_grad_(step % 2 == 0)
+        return loss_step(model, batch)
+
+    trainer = Trainer(make_model(), SGD, toggling, devices=cpu_devices(2), progress_bar=False)
+    await trainer.fit(make_batches([4]), epochs=1)  # ends with layer 0 thawed
+    trainer.model[0].requires_grad_(False)  # as an odd number of steps would leave it
+    await trainer.fit(make_batches([4, 4]), epochs=2)  # no warning
+    model = make_model()
+    model[0].requires_grad_(False)
+
+    def thawing(model: nn.Module, batch: Batch) -> torch.Tensor:
+        model[0].requires_grad_(True)
+        return loss_step(model, batch)
+
+    frozen_at_build = Trainer(model, SGD, thawing, devices=cpu_devices(2), progress_bar=False)
+    with pytest.warns(asyncddp.AsyncDDPRuntimeWarning, match=r"0\.weight, 0\.bias .*thawed during"):
+        await frozen_at_build.fit(make_batches([4]), epochs=1)
