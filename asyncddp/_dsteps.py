@@ -22,6 +22,7 @@ ranks stay identical, and the others hear of the cancellation at their next exch
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import threading
@@ -31,6 +32,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import anyio
+import anyio.lowlevel
 import torch
 from torch import nn
 
@@ -111,17 +113,25 @@ async def collective(
     deadline: float | None = None
     while not outcome:
         # With after_cancel, a look every 0.25 s: a shielded wait tells of a cancellation
-        # only once it returns.
+        # only once it returns, and of a cancel scope's (anyio, trio) not at all.
         wake = None if after_cancel is None else time.monotonic() + 0.25
         _, cancelled = await waker.wait_shielded(wake)
-        if cancelled is not None and cancellation is None and after_cancel is not None:
-            deadline = time.monotonic() + after_cancel
+        if after_cancel is not None and deadline is None:
+            scope = anyio.current_effective_deadline() == -math.inf  # its scope is cancelled
+            if cancelled is not None or scope:
+                deadline = time.monotonic() + after_cancel
         cancellation = cancellation or cancelled
         if not outcome and deadline is not None and time.monotonic() >= deadline:
-            assert cancellation is not None
             wait_at_exit(thread)
-            cancellation.__cause__ = CollectiveLeft(name, after_cancel or 0.0)
-            raise cancellation
+            left = CollectiveLeft(name, after_cancel or 0.0)
+            if cancellation is not None:
+                cancellation.__cause__ = left
+                raise cancellation
+            try:
+                await anyio.lowlevel.checkpoint()  # raises the scope's cancellation
+            except BaseException as error:
+                error.__cause__ = left
+                raise
     ok, value = outcome[0]
     if not ok:
         if cancellation is not None and isinstance(value, Exception):

@@ -306,6 +306,7 @@ class Jobs:
         self.across_ranks = across_ranks
 
     def _forward(self, fn: StepFunction, replica: Replica, shard: Any, ctx: WorkerContext) -> Any:
+        replica.forwards += 1  # see _replica.settle_snapshots
         batch = move_to(shard, ctx.torch_device, non_blocking=True)
         if self.autocast is None:
             return fn(replica.model, batch)

@@ -12,6 +12,7 @@ import itertools
 import numbers
 import operator
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, TypeAlias, cast
 
@@ -88,6 +89,8 @@ class Replica:
         #: The modules' own attributes as the last call left them (the first replica's: what
         #: changed since was the user's doing, `attribute_changes`).
         self.module_attrs = attribute_snapshot(model)
+        #: How many times the step ran on this replica (see `settle_snapshots`).
+        self.forwards = 0
         self.built_layouts = [_layout(p) for p in self.built_params]
         # How each one's gradient lies in the flat buffers (`grad_layout`), alike on every
         # replica: a memory format changed since on the first alone would sum mismatched
@@ -474,19 +477,46 @@ _FULL_BACKWARD = "_is_full_backward_hook"
 _INTERNALS = frozenset(vars(nn.Module()))
 
 
+class _HookIds(tuple):  # type: ignore[type-arg]
+    """The ids of a hook dict's hooks, in order (compared by value, unlike attributes)."""
+
+
+class _Held:
+    """An attribute's object as a snapshot holds it: weakly where it can be (an activation
+    kept by the forward must not outlive the module's reference to it), else as it is."""
+
+    __slots__ = ("ident", "ref")
+
+    def __init__(self, value: Any) -> None:
+        self.ident = id(value)
+        try:
+            self.ref: Any = weakref.ref(value)
+        except TypeError:
+            self.ref = value  # numbers, strings, tuples: nothing to keep alive that matters
+
+    def holds(self, value: Any) -> bool:
+        """Whether ``value`` is the object held (by identity; a dead weak reference's object is
+        gone, so none is)."""
+        if isinstance(self.ref, weakref.ref):
+            return self.ref() is value
+        return self.ref is value
+
+
 def attribute_snapshot(model: nn.Module) -> list[dict[Any, Any]]:
     """For each module: its own attributes (``vars``, less torch's machinery: a temperature,
     a dropout's ``p``, a recurrent state kept as an attribute, private ones too), as the
-    objects they are now; and, under ``(name,)`` keys, the ids of the hooks in each of its hook
-    dicts, in order, and its full-backward-hook flag."""
+    objects they are now (held weakly where they can be); and, under ``(name,)`` keys, the ids
+    of the hooks in each of its hook dicts, in order, and its full-backward-hook flag."""
     snapshot: list[dict[Any, Any]] = []
     for module in model.modules():
-        entries: dict[Any, Any] = {k: v for k, v in vars(module).items() if k not in _INTERNALS}
+        entries: dict[Any, Any] = {
+            k: _Held(v) for k, v in vars(module).items() if k not in _INTERNALS
+        }
         for name in _HOOK_DICTS:
             hooks = getattr(module, name, None)
             if hooks:
-                entries[(name,)] = tuple(hooks)
-        entries[(_FULL_BACKWARD,)] = getattr(module, _FULL_BACKWARD, None)
+                entries[(name,)] = _HookIds(hooks)
+        entries[(_FULL_BACKWARD,)] = _Held(getattr(module, _FULL_BACKWARD, None))
         snapshot.append(entries)
     return snapshot
 
@@ -495,9 +525,23 @@ _MISSING = object()
 
 
 def _same(before: Any, now: Any) -> bool:
-    """Whether a snapshot's entry is unchanged: the same object (an attribute), or equal ids
-    (a hook dict's)."""
-    return before is now or (type(before) is tuple and type(now) is tuple and before == now)
+    """Whether a snapshot's entry is unchanged: an attribute held that is still the same
+    object, or a hook dict's ids, equal."""
+    if before is _MISSING or now is _MISSING:
+        return before is now
+    if isinstance(before, _HookIds):
+        return isinstance(now, _HookIds) and tuple(before) == tuple(now)
+    return (
+        isinstance(before, _Held)
+        and isinstance(now, _Held)
+        and before.ident == now.ident
+        and (before.holds(_object(now)))
+    )
+
+
+def _object(held: _Held) -> Any:
+    """The object ``held`` holds (None for a dead weak reference's)."""
+    return held.ref() if isinstance(held.ref, weakref.ref) else held.ref
 
 
 def attribute_changes(first: Replica) -> list[tuple[int, Any, Any]]:
@@ -509,28 +553,34 @@ def attribute_changes(first: Replica) -> list[tuple[int, Any, Any]]:
     device's own during a call; one changed in place (a list appended to) is not seen: assign
     a new value."""
     changes: list[tuple[int, Any, Any]] = []
+    modules = list(first.model.modules())
     now = attribute_snapshot(first.model)
     for index, (entries, before) in enumerate(zip(now, first.module_attrs, strict=True)):
         for name in entries.keys() | before.keys():
             was, value = before.get(name, _MISSING), entries.get(name, _MISSING)
             if _same(was, value):
                 continue
-            if isinstance(name, tuple):  # a hook dict: the ids it held
-                changes.append((index, name, () if was is _MISSING else was))
+            if isinstance(name, tuple):  # a hook dict (its ids then), or the flag
+                changes.append((index, name, tuple(was) if isinstance(was, _HookIds) else ()))
             else:
-                changes.append((index, name, DELETED if value is _MISSING else value))
+                current = modules[index].__dict__.get(name, _MISSING)
+                changes.append((index, name, DELETED if current is _MISSING else current))
     return changes
 
 
 def settle_snapshots(replicas: Sequence[Replica]) -> None:
     """At a call's end, take each replica's snapshot again (`attribute_snapshot`): what the
     forward set during the call is each device's own, and is not carried over. But an
-    attribute or hook changed on ``trainer.model`` alone during the call (by an event
-    consumer: the other replicas still hold what the call's start gave them) keeps its old
-    entry, so that the next call carries it over."""
+    attribute or hook changed on ``trainer.model`` alone during the call, where every other
+    replica ran its step and still holds what the call's start gave it (an event consumer's
+    doing: ``trainer.model.temperature = 4.0`` between epochs), keeps its old entry, so that
+    the next call carries it over. Where another replica never ran its step in the call (its
+    shares were empty), nothing tells the first's forward from a consumer: taken as the
+    forward's."""
     first, others = replicas[0], replicas[1:]
     now = attribute_snapshot(first.model)
     theirs = [attribute_snapshot(replica.model) for replica in others]
+    every_one_ran = all(replica.forwards for replica in others)
     for index, (entries, before) in enumerate(zip(now, first.module_attrs, strict=True)):
         for name in entries.keys() | before.keys():
             was = before.get(name, _MISSING)
@@ -538,11 +588,12 @@ def settle_snapshots(replicas: Sequence[Replica]) -> None:
                 continue
             moved = any(
                 not _same(
-                    replica.module_attrs[index].get(name, _MISSING), mine[index].get(name, _MISSING)
+                    replica.module_attrs[index].get(name, _MISSING),
+                    mine[index].get(name, _MISSING),
                 )
                 for replica, mine in zip(others, theirs, strict=True)
             )
-            if others and not moved:  # changed on trainer.model alone: still to carry over
+            if others and every_one_ran and not moved:  # on trainer.model alone: to carry
                 if was is _MISSING:
                     del entries[name]
                 else:
@@ -550,6 +601,8 @@ def settle_snapshots(replicas: Sequence[Replica]) -> None:
     first.module_attrs = now
     for replica, mine in zip(others, theirs, strict=True):
         replica.module_attrs = mine
+    for replica in replicas:
+        replica.forwards = 0
 
 
 def _carried(value: Any, device: torch.device, source: torch.device, memo: dict[int, Any]) -> Any:
@@ -565,6 +618,10 @@ def _carried(value: Any, device: torch.device, source: torch.device, memo: dict[
         return value.detach().to(device if value.device == source else value.device, copy=True)
     if isinstance(value, (int, float, complex, str, bytes, type(None), torch.dtype)):
         return value
+    if type(value) in (list, tuple, dict):  # their tensors to the replica's device too
+        if isinstance(value, dict):
+            return {k: _carried(v, device, source, memo) for k, v in value.items()}
+        return type(value)(_carried(item, device, source, memo) for item in value)
     try:
         return copy.deepcopy(value, dict(memo))
     except Exception:

@@ -187,9 +187,10 @@ class Steps:
         if len(self._replicas) > 1:
             changes = attribute_changes(first)
             await self._run_all(self._jobs().mirror, changes, phase="setup")
-        for replica in self._replicas:
-            replica.module_attrs = attribute_snapshot(replica.model)
-        self._attributes_carried = True  # the call's end settles them (settle_snapshots)
+            for replica in self._replicas:
+                replica.module_attrs = attribute_snapshot(replica.model)
+                replica.forwards = 0
+            self._attributes_carried = True  # the call's end settles them (settle_snapshots)
 
     def _note_frozen_versions(self) -> None:
         """Note the versions of ``trainer.model``'s frozen parameters as a call's steps begin

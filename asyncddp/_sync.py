@@ -31,6 +31,7 @@ every scratch chunk into each replica's buffer (peers read scratch buffers, neve
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 import weakref
@@ -374,11 +375,30 @@ _PLAIN = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.
 
 def _snapshot(value: Any, params: Sequence[torch.Tensor]) -> Any:
     """A copy of an optimizer state's value that is not a tensor, for a backup: a number or a
-    string as it is (nothing changes it in place); anything else (a custom optimizer's list or
-    deque of statistics, changed in place by a step) copied deeply, the parameters it refers
-    to kept as themselves (and a value that cannot be copied kept as it is)."""
-    if isinstance(value, _PLAIN):
+    string as it is (nothing changes it in place); a container (a custom optimizer's list,
+    deque or dict of statistics, changed in place by a step) copied, its tensors cloned; a
+    module or a parameter it refers to kept as itself; another object copied deeply, the
+    parameters it refers to kept as themselves (and one that cannot be copied kept as it
+    is)."""
+    if isinstance(value, (*_PLAIN, nn.Module, nn.Parameter)):
         return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple, set, frozenset, collections.deque)):
+        items = [_snapshot(item, params) for item in value]
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*items)
+        if isinstance(value, collections.deque):
+            return collections.deque(items, maxlen=value.maxlen)
+        try:
+            return type(value)(items)
+        except TypeError:
+            return items
+    if isinstance(value, dict):
+        copied = copy.copy(value)  # its type: an OrderedDict, a defaultdict's factory
+        for key in copied:
+            copied[key] = _snapshot(copied[key], params)
+        return copied
     try:
         return copy.deepcopy(value, {id(p): p for p in params})
     except Exception:

@@ -86,6 +86,7 @@ from ._replica import (
     Replica,
     SchedulerFactory,
     StepFunction,
+    attribute_snapshot,
     build_replica,
     carry_parameter_extras,
     group_layout,
@@ -1051,7 +1052,12 @@ class Trainer(Resumable, Generic[M]):
                     # each device's own; what an event consumer set on trainer.model alone is
                     # carried over by the next call (_mirror_first).
                     self._attributes_carried = False
-                    settle_snapshots(self._replicas)
+                    try:
+                        settle_snapshots(self._replicas)
+                    except Exception:  # never leave the session open over it
+                        _log.exception("asyncddp could not take the modules' attributes")
+                        for replica in self._replicas:
+                            replica.module_attrs = attribute_snapshot(replica.model)
                 self._session_kind = None
                 self._session_done.set()
 

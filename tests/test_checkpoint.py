@@ -870,6 +870,42 @@ def test_a_save_cancelled_as_a_stalled_write_runs_gives_up_on_it_after_a_while(
     assert _checkpoint.load(target)["global_step"] == 0  # the write went on, whole
 
 
+async def test_a_cancel_scope_gives_up_on_a_stalled_write_after_a_while_too(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under anyio's and trio's cancel scopes (anyio.fail_after, a task group's cancellation)
+    # the bound did not apply: the wait lasted as long as the stalled write.
+    import threading
+    import time
+
+    import anyio
+
+    from asyncddp import _resume
+
+    save, stalled = _checkpoint.save, threading.Event()
+
+    def stalled_save(state: Any, path: Any) -> Any:
+        stalled.wait(30)
+        return save(state, path)
+
+    monkeypatch.setattr(_checkpoint, "save", stalled_save)
+    monkeypatch.setattr(_resume, "CHECKPOINT_CANCEL_WAIT", 0.3)
+    trainer = make_trainer(2)
+    target = tmp_path / "now.ckpt"
+    started = time.monotonic()
+    try:
+        with anyio.move_on_after(0.2) as scope:
+            await trainer.save_checkpoint(target)
+        assert scope.cancelled_caught
+        assert time.monotonic() - started < 10.0  # the write stalls for 30 s
+    finally:
+        stalled.set()
+    for thread in threading.enumerate():
+        if thread.name == "asyncddp-checkpoint":
+            await anyio.to_thread.run_sync(thread.join, 10)
+    assert _checkpoint.load(target)["global_step"] == 0
+
+
 async def test_a_checkpoint_with_a_bit_changed_is_refused_as_corrupt(tmp_path: Any) -> None:
     # torch's reader does not check the records' CRC-32s: a flipped bit in a weight loaded,
     # and training went on from the wrong weight, without a word.

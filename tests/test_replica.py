@@ -865,13 +865,14 @@ async def test_hooks_and_private_attributes_carried_keep_their_kind_and_order() 
     # was not carried); a hook registered with prepend=True ran last there; a private setting
     # (trainer.model._scale) stayed as built.
     trainer = trainer_on(2, Tempered())
+    order: list[str] = []
+    trainer.model.layer.register_forward_hook(lambda *args: order.append("second"))
     await trainer.fit(make_batches([4]), epochs=1)
+    order.clear()
     calls: list[str] = []
     trainer.model.layer.register_full_backward_hook(
         lambda module, grad_in, grad_out: calls.append("full")
     )
-    order: list[str] = []
-    trainer.model.layer.register_forward_hook(lambda *args: order.append("second"))
     trainer.model.layer.register_forward_hook(lambda *args: order.append("first"), prepend=True)
     trainer.model._private = 3.0
     await trainer.fit(make_batches([4]), epochs=2)
@@ -971,3 +972,36 @@ async def test_the_step_s_freezing_and_thawing_is_told_only_where_nothing_trains
     frozen_at_build = Trainer(model, SGD, thawing, devices=cpu_devices(2), progress_bar=False)
     with pytest.warns(asyncddp.AsyncDDPRuntimeWarning, match=r"0\.weight, 0\.bias .*thawed during"):
         await frozen_at_build.fit(make_batches([4]), epochs=1)
+
+
+class KeepsPairs(nn.Module):
+    """Keeps a recurrent state as a tuple of tensors (an LSTM's (h, c)), the forward's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(FEATURES, 3)
+        self.state: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        out = self.layer(inputs)
+        self.state = (out.detach(), out.detach() * 2)
+        return out
+
+
+async def test_a_tuple_of_tensors_the_forward_keeps_does_not_wedge_the_trainer() -> None:
+    # Comparing the tuples with == raised "Boolean value of Tensor ... is ambiguous" at the
+    # call's end, before the session was closed: every later call was refused as running.
+    trainer = trainer_on(2, KeepsPairs())
+    for epochs in (1, 2, 3):
+        await trainer.fit(make_batches([4]), epochs=epochs)
+    assert trainer.global_step == 3
+
+
+async def test_a_hook_the_first_copy_s_forward_made_alone_is_not_carried() -> None:
+    # Where the other device ran no step (every share of a one-item batch empty), the first's
+    # forward's hook was taken for the user's and carried, bound to trainer.model.
+    trainer = trainer_on(2, HooksItself())
+    await trainer.fit(make_batches([1]), epochs=1)  # cpu#1's share is empty
+    await trainer.fit(make_batches([4]), epochs=2)
+    second = trainer._replicas[1].model
+    assert [hook.__self__ for hook in second.layer._forward_hooks.values()] == [second]

@@ -334,6 +334,7 @@ class StatsSGD(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:
         shared = self.state["global"]
         shared["t"] = shared.get("t", 0) + 1
+        shared["owner"] = self.param_groups[0]["owner"]  # a module the state refers to
         shared.setdefault("sums", collections.deque()).append(
             self.param_groups[0]["params"][0].grad.sum()
         )
@@ -388,8 +389,9 @@ def test_a_restore_puts_back_state_held_in_lists_and_under_other_keys(ahead: boo
     assert backup.restore(params, optimizer, None)
     assert stats_state(optimizer) == before
     assert all(torch.equal(p, w) for p, w in zip(params, weights, strict=True))
-    # An object a group refers to stays that object (a copy of the module, after a first
+    # A module the state or a group refers to stays that module (a copy, after a first
     # version's restore).
+    assert optimizer.state["global"]["owner"] is model
     assert optimizer.param_groups[0]["owner"] is model
     train_step(model, optimizer)  # the restored lists are copies: the backup stays as it was
     assert backup.restore(params, optimizer, None)
