@@ -82,6 +82,12 @@ def check_path(name: str, value: Any) -> None:
         )
 
 
+def first_names(names: list[str], shown: int = 3) -> str:
+    """The first ``shown`` of ``names``, comma-separated, ``...`` after them if there are more
+    (for a message naming parameters)."""
+    return ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
+
+
 def clipped(text: str, limit: int) -> str:
     """``text`` cut to at most ``limit`` characters, ending ``...`` where it was cut."""
     return text if len(text) <= limit else f"{text[: limit - 3]}..."

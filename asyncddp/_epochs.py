@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import _checkpoint, _comm
-from ._checks import warn_user
+from ._checks import first_names, warn_user
 from ._comm import PeerFailed, RankLost
 from ._data import check_batch, no_batches, pin
 from ._dsteps import DistributedSteps
@@ -537,13 +537,12 @@ class Epochs(DistributedSteps):
         ]
         if thawed and not self._warned_thawed:
             self._warned_thawed = True
-            shown = ", ".join(thawed[:3]) + (", ..." if len(thawed) > 3 else "")
             warn_user(
-                f"{shown} of trainer.model require grad now, thawed during the fit, but were "
-                "frozen when the Trainer built its replicas: no optimizer holds them, so their "
-                "gradients are made and never applied. Have them trainable when the replicas "
-                "are built (the first fit, validate or save_checkpoint), and freeze them after "
-                "(the optimizers skip parameters without a gradient)",
+                f"{first_names(thawed)} of trainer.model require grad now, thawed during the "
+                "fit, but were frozen when the Trainer built its replicas: no optimizer holds "
+                "them, so their gradients are made and never applied. Have them trainable "
+                "when the replicas are built (the first fit, validate or save_checkpoint), and "
+                "freeze them after (the optimizers skip parameters without a gradient)",
                 AsyncDDPRuntimeWarning,
             )
 
@@ -559,9 +558,9 @@ class Epochs(DistributedSteps):
         self._frozen_versions = []
         if written and not self._warned_frozen:
             self._warned_frozen = True
-            shown = ", ".join(written[:3]) + (", ..." if len(written) > 3 else "")
             warn_user(
-                f"the step changed frozen parameters of trainer.model in place ({shown}: an "
+                "the step changed frozen parameters of trainer.model in place "
+                f"({first_names(written)}: an "
                 "EMA or mean teacher's weights, say). A failed step's undo restores the trained "
                 "parameters and the buffers, not these: a retried step (on_failure='retry', or "
                 "fit called again) writes them twice, and a device whose share of a batch is "

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from typing_extensions import TypeVar
 
-from ._checks import warn_user
+from ._checks import first_names, warn_user
 from ._devices import Device
 from ._exceptions import ConfigurationError, StepOutputError
 from ._sync import FlatGrads, StepBackup, grad_layout
@@ -392,7 +392,7 @@ def check_rebuilt(first: Replica) -> None:
     if thawed:
         one = len(thawed) == 1
         warn_user(
-            f"{', '.join(thawed[:3])}{', ...' if len(thawed) > 3 else ''} of trainer.model "
+            f"{first_names(thawed)} of trainer.model "
             f"{'requires' if one else 'require'} grad now but did not when its replicas were "
             f"built, so no optimizer holds {'it' if one else 'them'} and "
             f"{'it is' if one else 'they are'} not trained. To freeze parameters for a first "

@@ -54,6 +54,7 @@ from ._checks import (
     check_path,
     check_positive,
     check_seconds,
+    first_names,
     warn_user,
 )
 from ._data import empty_up_front, no_batches
@@ -1472,8 +1473,8 @@ def _check_made(model: nn.Module) -> None:
     lazy = [name for name, p in model.named_parameters() if nn.parameter.is_lazy(p)]
     if lazy:
         raise ConfigurationError(
-            f"trainer.model has parameters not made yet ({', '.join(lazy[:3])}"
-            f"{', ...' if len(lazy) > 3 else ''}: a lazy module, LazyLinear say): run one "
+            f"trainer.model has parameters not made yet ({first_names(lazy)}: a lazy module, "
+            "LazyLinear say): run one "
             "forward on a batch first (model(inputs)), so that they have their shapes, as "
             "DistributedDataParallel requires too"
         )
@@ -1485,7 +1486,7 @@ def _check_made(model: nn.Module) -> None:
     if meta:
         raise ConfigurationError(
             f"trainer.model has tensors on the meta device, which hold no values "
-            f"({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}: a model built under "
+            f"({first_names(meta)}: a model built under "
             "torch.device('meta')): give them storage and values first, "
             "model.to_empty(device='cpu') then each module's reset_parameters() (or "
             "load_state_dict(state, assign=True))"

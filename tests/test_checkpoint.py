@@ -824,6 +824,15 @@ def test_a_save_cancelled_as_it_writes_waits_for_the_write_and_says_so(
     assert _checkpoint.load(target)["global_step"] == 0
 
 
+def join_checkpoint_threads() -> None:
+    """Wait for the checkpoint writes a cancellation left running (see `collective`)."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == "asyncddp-checkpoint":
+            thread.join(10)
+
+
 def test_a_save_cancelled_as_a_stalled_write_runs_gives_up_on_it_after_a_while(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -864,9 +873,7 @@ def test_a_save_cancelled_as_a_stalled_write_runs_gives_up_on_it_after_a_while(
         assert not target.exists()
     finally:
         stalled.set()
-    for thread in threading.enumerate():
-        if thread.name == "asyncddp-checkpoint":
-            thread.join(10)
+    join_checkpoint_threads()
     assert _checkpoint.load(target)["global_step"] == 0  # the write went on, whole
 
 
@@ -900,9 +907,7 @@ async def test_a_cancel_scope_gives_up_on_a_stalled_write_after_a_while_too(
         assert time.monotonic() - started < 10.0  # the write stalls for 30 s
     finally:
         stalled.set()
-    for thread in threading.enumerate():
-        if thread.name == "asyncddp-checkpoint":
-            await anyio.to_thread.run_sync(thread.join, 10)
+    await anyio.to_thread.run_sync(join_checkpoint_threads)
     assert _checkpoint.load(target)["global_step"] == 0
 
 
