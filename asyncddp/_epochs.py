@@ -98,6 +98,7 @@ class Epochs(DistributedSteps):
     _frozen_versions: list[tuple[str, torch.Tensor, int]]  # as the call started (_mirror_first)
     _warned_frozen: bool
     _warned_thawed: bool
+    _thawed_at_start: set[int]
     _loader_rng: dict[str, Any] | None
     _resumed_loader_rng: dict[str, Any] | None
     _epoch_sums: Sums
@@ -533,7 +534,9 @@ class Epochs(DistributedSteps):
         thawed = [
             name
             for name, param in first.model.named_parameters()
-            if param.requires_grad and id(param) not in trained
+            if param.requires_grad
+            and id(param) not in trained
+            and id(param) not in self._thawed_at_start
         ]
         if thawed and not self._warned_thawed:
             self._warned_thawed = True

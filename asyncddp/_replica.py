@@ -24,7 +24,7 @@ from typing_extensions import TypeVar
 from ._checks import first_names, warn_user
 from ._devices import Device
 from ._exceptions import ConfigurationError, StepOutputError
-from ._sync import FlatGrads, StepBackup, grad_layout
+from ._sync import FlatGrads, StepBackup, grad_layout, reachable
 from ._worker import current_worker
 
 __all__ = [
@@ -618,12 +618,12 @@ def _carried(value: Any, device: torch.device, source: torch.device, memo: dict[
         return value.detach().to(device if value.device == source else value.device, copy=True)
     if isinstance(value, (int, float, complex, str, bytes, type(None), torch.dtype)):
         return value
-    if type(value) in (list, tuple, dict):  # their tensors to the replica's device too
-        if isinstance(value, dict):
-            return {k: _carried(v, device, source, memo) for k, v in value.items()}
-        return type(value)(_carried(item, device, source, memo) for item in value)
+    own = dict(memo)
+    for item in reachable(value):  # the tensors in it to the replica's device, as one copy each
+        if isinstance(item, torch.Tensor) and id(item) not in own and item.device == source:
+            own[id(item)] = item.detach().to(device, copy=True)
     try:
-        return copy.deepcopy(value, dict(memo))
+        return copy.deepcopy(value, own)  # cycles, shared references, dict keys: as deepcopy
     except Exception:
         return value
 

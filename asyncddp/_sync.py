@@ -35,7 +35,7 @@ import collections
 import copy
 import math
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -373,34 +373,41 @@ def all_gather(replicas: Sequence[FlatGrads], index: int, coefficient: float) ->
 _PLAIN = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device)
 
 
+def reachable(value: Any, limit: int = 100_000) -> Iterator[Any]:
+    """The objects ``value`` holds, itself first, depth first, each once: through lists,
+    tuples, sets, deques, dicts (keys and values) and objects' ``__dict__``, not into
+    tensors or modules (``limit`` objects at most)."""
+    seen: set[int] = set()
+    stack = [value]
+    while stack and len(seen) < limit:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        yield item
+        if isinstance(item, (torch.Tensor, nn.Module, *_PLAIN)):
+            continue
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset, collections.deque)):
+            stack.extend(item)
+        else:
+            stack.extend(getattr(item, "__dict__", {}).values())
+
+
 def _snapshot(value: Any, params: Sequence[torch.Tensor]) -> Any:
     """A copy of an optimizer state's value that is not a tensor, for a backup: a number or a
-    string as it is (nothing changes it in place); a container (a custom optimizer's list,
-    deque or dict of statistics, changed in place by a step) copied, its tensors cloned; a
-    module or a parameter it refers to kept as itself; another object copied deeply, the
-    parameters it refers to kept as themselves (and one that cannot be copied kept as it
-    is)."""
+    string as it is (nothing changes it in place); anything else (a custom optimizer's list or
+    deque of statistics, changed in place by a step) copied deeply, as ``copy.deepcopy``
+    copies (cycles, shared references and subclasses kept), the parameters and modules it
+    refers to kept as themselves (and a value that cannot be copied kept as it is)."""
     if isinstance(value, (*_PLAIN, nn.Module, nn.Parameter)):
         return value
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, (list, tuple, set, frozenset, collections.deque)):
-        items = [_snapshot(item, params) for item in value]
-        if isinstance(value, tuple) and hasattr(value, "_fields"):
-            return type(value)(*items)
-        if isinstance(value, collections.deque):
-            return collections.deque(items, maxlen=value.maxlen)
-        try:
-            return type(value)(items)
-        except TypeError:
-            return items
-    if isinstance(value, dict):
-        copied = copy.copy(value)  # its type: an OrderedDict, a defaultdict's factory
-        for key in copied:
-            copied[key] = _snapshot(copied[key], params)
-        return copied
+    memo: dict[int, Any] = {id(p): p for p in params}
+    memo.update((id(x), x) for x in reachable(value) if isinstance(x, (nn.Module, nn.Parameter)))
     try:
-        return copy.deepcopy(value, {id(p): p for p in params})
+        return copy.deepcopy(value, memo)
     except Exception:
         return value
 

@@ -240,6 +240,7 @@ async def test_a_parameter_thawed_after_the_first_fit_warns_that_it_is_not_train
     ) as seen:
         await trainer.fit(batches, epochs=2)
     assert seen[0].filename == __file__  # this line, not one of asyncddp's
+    assert len(seen) == 1  # not told again as thawed by the step
 
 
 @pytest.mark.parametrize("devices", [1, 2])
@@ -1005,3 +1006,19 @@ async def test_a_hook_the_first_copy_s_forward_made_alone_is_not_carried() -> No
     await trainer.fit(make_batches([4]), epochs=2)
     second = trainer._replicas[1].model
     assert [hook.__self__ for hook in second.layer._forward_hooks.values()] == [second]
+
+
+async def test_a_carried_container_keeps_its_cycles_shared_references_and_keys() -> None:
+    # Copied item by item, a dict holding itself recursed without end (the fit failed), a
+    # module as a key stayed trainer.model's, and a tensor held twice became two.
+    trainer = trainer_on(2, make_model())
+    await trainer.fit(make_batches([4]), epochs=1)
+    shared = torch.ones(3)
+    config: dict[Any, Any] = {"pair": [shared, shared], trainer.model[0]: 2.0}
+    config["self"] = config
+    trainer.model.config = config
+    await trainer.validate(make_batches([4]))
+    second = trainer._replicas[1].model
+    assert second.config["self"] is second.config
+    assert second.config["pair"][0] is second.config["pair"][1]
+    assert second.config[second[0]] == 2.0

@@ -407,3 +407,25 @@ def test_a_restore_drops_an_entry_the_failed_step_added_under_another_key() -> N
     optimizer.state["added"] = {"t": 1}
     backup.restore(params, optimizer, None)
     assert "added" not in optimizer.state
+
+
+def test_a_restore_keeps_the_kind_and_cycles_of_state_it_copies() -> None:
+    # Copied item by item, a list holding itself recursed without end, and a deque's subclass
+    # came back a plain deque.
+    class Window(collections.deque):  # type: ignore[type-arg]
+        pass
+
+    model, optimizer = model_and_optimizer()
+    params = list(model.parameters())
+    cyclic: list[Any] = [1]
+    cyclic.append(cyclic)
+    optimizer.state["extra"] = {"cyclic": cyclic, "window": Window([1, 2], maxlen=4)}
+    backup = StepBackup()
+    train_step(model, optimizer)
+    backup.capture(params, optimizer, None)
+    optimizer.state["extra"]["window"].append(3)
+    backup.restore(params, optimizer, None)
+    restored = optimizer.state["extra"]
+    assert restored["cyclic"][1] is restored["cyclic"]
+    assert type(restored["window"]) is Window
+    assert list(restored["window"]) == [1, 2]
