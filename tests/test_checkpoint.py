@@ -824,6 +824,25 @@ def test_a_save_cancelled_as_it_writes_waits_for_the_write_and_says_so(
     assert _checkpoint.load(target)["global_step"] == 0
 
 
+def stall_writes(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """Make every checkpoint write stall (up to 30 s) until the first event returned is set,
+    the second set once a write has begun; a cancellation waits 0.3 s for a write."""
+    import threading
+
+    from asyncddp import _resume
+
+    save, stalled, writing = _checkpoint.save, threading.Event(), threading.Event()
+
+    def stalled_save(state: Any, path: Any) -> Any:
+        writing.set()
+        stalled.wait(30)
+        return save(state, path)
+
+    monkeypatch.setattr(_checkpoint, "save", stalled_save)
+    monkeypatch.setattr(_resume, "CHECKPOINT_CANCEL_WAIT", 0.3)
+    return stalled, writing
+
+
 def join_checkpoint_threads() -> None:
     """Wait for the checkpoint writes a cancellation left running (see `collective`)."""
     import threading
@@ -840,21 +859,11 @@ def test_a_save_cancelled_as_a_stalled_write_runs_gives_up_on_it_after_a_while(
     # KeyboardInterrupt comes): a write stalled on a network disk held the cell for as long as
     # the write took, without end for one that never returns.
     import asyncio
-    import threading
     import time
 
-    from asyncddp import _resume
     from asyncddp._dsteps import CollectiveLeft
 
-    save, stalled, writing = _checkpoint.save, threading.Event(), threading.Event()
-
-    def stalled_save(state: Any, path: Any) -> Any:
-        writing.set()
-        stalled.wait(30)
-        return save(state, path)
-
-    monkeypatch.setattr(_checkpoint, "save", stalled_save)
-    monkeypatch.setattr(_resume, "CHECKPOINT_CANCEL_WAIT", 0.3)
+    stalled, writing = stall_writes(monkeypatch)
     trainer = make_trainer(2)
     target = tmp_path / "now.ckpt"
 
@@ -882,21 +891,9 @@ async def test_a_cancel_scope_gives_up_on_a_stalled_write_after_a_while_too(
 ) -> None:
     # Under anyio's and trio's cancel scopes (anyio.fail_after, a task group's cancellation)
     # the bound did not apply: the wait lasted as long as the stalled write.
-    import threading
     import time
 
-    import anyio
-
-    from asyncddp import _resume
-
-    save, stalled = _checkpoint.save, threading.Event()
-
-    def stalled_save(state: Any, path: Any) -> Any:
-        stalled.wait(30)
-        return save(state, path)
-
-    monkeypatch.setattr(_checkpoint, "save", stalled_save)
-    monkeypatch.setattr(_resume, "CHECKPOINT_CANCEL_WAIT", 0.3)
+    stalled, _ = stall_writes(monkeypatch)
     trainer = make_trainer(2)
     target = tmp_path / "now.ckpt"
     started = time.monotonic()
