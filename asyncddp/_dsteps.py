@@ -90,8 +90,9 @@ async def collective(
     back by itself at the next checkpoint. If ``fn`` raised, so does this: with a cancellation,
     the cancellation, caused by ``fn``'s error (as `StepScheduler.run`).
 
-    With ``after_cancel``, an asyncio cancellation waits that many seconds at most for
-    ``fn``: then it is raised (`CollectiveLeft` its cause), and ``fn`` goes on in its thread,
+    With ``after_cancel``, a cancellation (a task's, or a cancel scope's) waits that many
+    seconds at most for ``fn``: then it is raised (`CollectiveLeft` its cause), and ``fn``
+    goes on in its thread,
     which the interpreter's exit waits for a while. A notebook's stop button cancels once,
     and never raises the ``KeyboardInterrupt`` that ends a wait in a script.
     """

@@ -95,10 +95,8 @@ class Epochs(DistributedSteps):
     _left_loading: Prefetcher | None  # the epoch's loader, closed inside a call into the data
     _epoch_rng: dict[str, Any] | None
     _epoch_shared: bool  # another trainer of this process trained as the epoch drew its order
-    _frozen_versions: list[tuple[str, torch.Tensor, int]]  # as the call started (_mirror_first)
     _warned_frozen: bool
     _warned_thawed: bool
-    _thawed_at_start: set[int]
     _loader_rng: dict[str, Any] | None
     _resumed_loader_rng: dict[str, Any] | None
     _epoch_sums: Sums
@@ -207,9 +205,9 @@ class Epochs(DistributedSteps):
             "trains meanwhile (or did as the epoch started), which may draw from that "
             "generator too (its dropout, its own shuffling): the order replayed may not be "
             "the interrupted one, training some batches twice and others never, and the "
-            "replay's rewind of "
-            "the generator repeats the other trainer's draws. Give each trainer's DataLoader a "
-            "generator of its own: DataLoader(..., generator=torch.Generator().manual_seed(seed))",
+            "replay's rewind of the generator repeats the other trainer's draws. Give each "
+            "trainer's DataLoader a generator of its own: "
+            "DataLoader(..., generator=torch.Generator().manual_seed(seed))",
             AsyncDDPRuntimeWarning,
         )
 
@@ -529,14 +527,10 @@ class Epochs(DistributedSteps):
         """Warn, once, of parameters the step thawed (``requires_grad_(True)``) that no
         optimizer holds (frozen when the replicas were built): their gradients are made, and
         never applied. (Thawed between calls, `check_rebuilt` warns.)"""
-        first = self._replicas[0]
-        trained = {id(p) for p in first.params}
         thawed = [
             name
-            for name, param in first.model.named_parameters()
-            if param.requires_grad
-            and id(param) not in trained
-            and id(param) not in self._thawed_at_start
+            for name, param in self._replicas[0].model.named_parameters()
+            if param.requires_grad and id(param) not in self._grad_known
         ]
         if thawed and not self._warned_thawed:
             self._warned_thawed = True

@@ -654,7 +654,7 @@ class Jobs:
         parts, loose = work
         self.replicas[ctx.device.index].regroup(parts, ctx.device.index, loose=loose)
 
-    def mirror(self, ctx: WorkerContext, changes: Sequence[tuple[int, str, Any]]) -> None:
+    def mirror(self, ctx: WorkerContext, changes: Sequence[tuple[int, Any, Any]]) -> None:
         """The first replica's values, ``requires_grad`` flags, modes, extra state, hooks and
         changed module attributes, into this one (see ``_replica.mirror``)."""
         if ctx.device.index:

@@ -136,7 +136,7 @@ class Steps:
     _replicas: list[Replica]
     _attributes_carried: bool  # a call carried module attributes over (see _mirror_first)
     _frozen_versions: list[tuple[str, torch.Tensor, int]]
-    _thawed_at_start: set[int]
+    _grad_known: set[int]  # see _note_frozen_versions
     _queued_undos: list[JobQueuedError]
     _optimizer_factory: OptimizerFactory
     _scheduler_factory: SchedulerFactory | None
@@ -204,10 +204,9 @@ class Steps:
             for name, param in first.model.named_parameters()
             if not param.requires_grad and id(param) not in trained
         ]
-        # Thawed before the call (check_rebuilt warned of them): not the step's doing.
-        self._thawed_at_start = {
-            id(p) for p in first.model.parameters() if p.requires_grad and id(p) not in trained
-        }
+        # Parameters that may require grad without a word: those the optimizers hold, and
+        # those thawed before the call (check_rebuilt warned of them).
+        self._grad_known = trained | {id(p) for p in first.model.parameters() if p.requires_grad}
 
     def _apply_work(self, coefficient: float = 1.0, unused: tuple[int, ...] = ()) -> ApplyWork:
         """The next optimizer step's work, under a new apply id."""

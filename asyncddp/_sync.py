@@ -371,6 +371,8 @@ def all_gather(replicas: Sequence[FlatGrads], index: int, coefficient: float) ->
 
 
 _PLAIN = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device)
+#: Values a backup keeps as they are (see `_snapshot`); where `reachable` stops.
+_KEPT = (*_PLAIN, nn.Module, nn.Parameter)
 
 
 def reachable(value: Any, limit: int = 100_000) -> Iterator[Any]:
@@ -385,7 +387,7 @@ def reachable(value: Any, limit: int = 100_000) -> Iterator[Any]:
             continue
         seen.add(id(item))
         yield item
-        if isinstance(item, (torch.Tensor, nn.Module, *_PLAIN)):
+        if isinstance(item, (torch.Tensor, *_KEPT)):
             continue
         if isinstance(item, dict):
             stack.extend(item.keys())
@@ -402,7 +404,7 @@ def _snapshot(value: Any, params: Sequence[torch.Tensor]) -> Any:
     deque of statistics, changed in place by a step) copied deeply, as ``copy.deepcopy``
     copies (cycles, shared references and subclasses kept), the parameters and modules it
     refers to kept as themselves (and a value that cannot be copied kept as it is)."""
-    if isinstance(value, (*_PLAIN, nn.Module, nn.Parameter)):
+    if isinstance(value, _KEPT):
         return value
     memo: dict[int, Any] = {id(p): p for p in params}
     memo.update((id(x), x) for x in reachable(value) if isinstance(x, (nn.Module, nn.Parameter)))

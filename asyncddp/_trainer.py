@@ -405,7 +405,7 @@ class Trainer(Resumable, Generic[M]):
         self._frozen_versions: list[tuple[str, torch.Tensor, int]] = []
         self._warned_frozen = False  # the step writes frozen parameters: told once
         self._warned_thawed = False  # the step thaws parameters no optimizer holds: told once
-        self._thawed_at_start: set[int] = set()  # thawed before the call: check_rebuilt's
+        self._grad_known: set[int] = set()  # may require grad without a word (this call)
         self._session_kind: str | None = None  # "fit", "validate" or "checkpoint" while open
         self._session_done: anyio.Event | None = None
         self._window_open = False  # a step has begun on the devices and not ended
