@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.utils.parametrize import is_parametrized
 
 from . import _comm
 from ._comm import Comm, Global
@@ -399,6 +400,13 @@ class Jobs:
                 "so it uses the first copy's parameters. Make it a method or a module of its "
                 "own (a method, bound to its module, is copied with it), or pass what it needs "
                 "as arguments"
+                + (
+                    ". torch.nn.utils.parametrize.cached() does so too: its cache is keyed by "
+                    "trainer.model's modules, which each copy's parametrized weights name, so "
+                    "under it every device reads the first's weights. Train without it"
+                    if any(is_parametrized(m) for m in replica.model.modules())
+                    else ""
+                )
             )
         replica.grads.attach()  # in case the step replaced a .grad
         items = work.items if counted is None else counted

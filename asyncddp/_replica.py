@@ -84,6 +84,7 @@ class Replica:
         # Every parameter as built, frozen ones too: a parameter added, removed or replaced
         # since cannot be carried over to the other replicas or their optimizers (check_rebuilt).
         self.built_params = tuple(model.parameters())
+        self.built_names = tuple(name for name, _ in model.named_parameters())
         self.built_modules = sum(1 for _ in model.modules())
         self.buffer_slots = BufferSlots(model)
         #: The modules' own attributes as the last call left them (the first replica's: what
@@ -351,6 +352,9 @@ def check_rebuilt(first: Replica) -> None:
     built = first.built_params
     trained = {id(p) for p in first.params}
     names = {id(p): name for name, p in first.model.named_parameters()}
+    renamed = _renamed(first.built_names, list(names.values()))
+    if renamed:
+        _refuse(renamed)
     if len(now) != len(built):
         _refuse(f"it had {len(built)} parameters, and has {len(now)} now")
     for param, was, layout, strides in zip(
@@ -364,9 +368,12 @@ def check_rebuilt(first: Replica) -> None:
                 )
             if id(param) in trained and grad_layout(param) != strides:
                 _refuse(
-                    f"{names[id(param)]} is laid out otherwise in memory "
-                    "(model.to(memory_format=torch.channels_last)): set the memory format "
-                    "before building its Trainer"
+                    f"{names[id(param)]} is laid out otherwise in memory, strides "
+                    f"{tuple(param.stride())} (model.to(memory_format=torch.channels_last); a "
+                    "value set with .data = w.t() or set_(), as torch.nn.utils.parametrize "
+                    "does when a parametrized weight is assigned): lay it out as it was "
+                    "(param.data = param.data.contiguous() for the default), or set the "
+                    "memory format before building its Trainer"
                 )
             continue
         if id(was) in trained:
@@ -402,6 +409,29 @@ def check_rebuilt(first: Replica) -> None:
             "optimizers hold every parameter and skip the frozen ones, as a plain loop's "
             "optimizer over model.parameters() does"
         )
+
+
+def _renamed(built: Sequence[str], now: Sequence[str]) -> str | None:
+    """What `check_rebuilt` says of parameters named otherwise than when the replicas were
+    built (``None`` if the names are the same ones): pruning and parametrizations register
+    the parameter they rewrite under a new name, last, so comparing by position would name a
+    parameter that did not change."""
+    kept = set(built) & set(now)
+    gone = [name for name in built if name not in kept]
+    new = [name for name in now if name not in kept]
+    if not gone and not new:
+        return None
+    said = []
+    if gone:
+        said.append(f"{first_names(gone)} {'is' if len(gone) == 1 else 'are'} gone")
+    if new:
+        said.append(f"{first_names(new)} {'is' if len(new) == 1 else 'are'} new")
+    return (
+        " and ".join(said)
+        + " (torch.nn.utils.prune renames weight to weight_orig, torch.nn.utils.parametrize "
+        "to parametrizations.weight.original; a layer added or removed): prune or "
+        "parametrize the model before building its Trainer"
+    )
 
 
 def _layout(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device]:

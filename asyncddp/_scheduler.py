@@ -400,6 +400,9 @@ class StepScheduler:
         self._next_step = 0
         self._tracker = ProgressTracker(len(self.devices))
         self._closed: anyio.Event | None = None
+        # The state every job runs in, by device type, instead of the caller's (see _dispatch):
+        # a Trainer's, whose jobs must not take another task's modes.
+        self._job_state: dict[str, CallerState] | None = None
 
     def __repr__(self) -> str:
         names = ", ".join(device.name for device in self.devices)
@@ -768,7 +771,7 @@ class StepScheduler:
     ) -> _Step:
         state = _Step(len(self._workers), waker)
         state.shielded = shield
-        caller = {kind: CallerState.capture(kind) for kind in self._device_types}
+        caller = self._job_state or {kind: CallerState.capture(kind) for kind in self._device_types}
         jobs = [
             _Job(state, index, worker, fn, shard, caller[worker.device.type], number, phase)
             for index, (worker, shard) in enumerate(zip(self._workers, shards, strict=True))

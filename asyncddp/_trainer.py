@@ -98,7 +98,7 @@ from ._replica import (
 from ._resume import Resumable
 from ._scheduler import JobQueuedError, StepScheduler
 from ._steps import DeviceDroppedWarning
-from ._worker import current_worker
+from ._worker import CallerState, current_worker
 
 __all__ = ["DeviceDroppedWarning", "EpochRecord", "FitResult", "Trainer"]
 
@@ -955,6 +955,15 @@ class Trainer(Resumable, Generic[M]):
         self._refuse_if_running(
             "save_checkpoint()" if kind == "checkpoint" else f"{kind}()", calls=False
         )
+        on = sorted({d.type for d in self.devices if torch.is_autocast_enabled(d.type)})
+        if on and kind != "checkpoint":
+            warn_user(
+                f"torch.autocast is on for {' and '.join(on)} on the event loop's thread as "
+                f"this {kind}() starts, and a Trainer's steps do not take it: the thread's "
+                "autocast is shared by every task on the loop (another task's open `with "
+                "torch.autocast(...)` among them). For mixed precision, pass "
+                "Trainer(precision='bf16') (or 'fp16')"
+            )
         self._stragglers = [thread for thread in self._stragglers if thread.is_alive()]
         if self._stragglers:
             names = ", ".join(thread.name for thread in self._stragglers)
@@ -1300,15 +1309,14 @@ class Trainer(Resumable, Generic[M]):
             if ctx.device.index == 0:
                 return None
             try:
-                model = copy.deepcopy(source)
+                model = copy.deepcopy(source, _detached_attributes(source))
             except Exception as error:
                 raise ConfigurationError(
                     f"trainer.model cannot be copied for the devices past the first, which "
                     f"train copies of it: copy.deepcopy raised {_describe(error)}. Usual "
-                    "causes: a tensor kept on a module that autograd made (an output saved in "
-                    "forward or __init__: keep it .detach()ed), torch.nn.utils.weight_norm "
-                    "(use torch.nn.utils.parametrizations.weight_norm), a lock or an open file "
-                    "among its attributes"
+                    "causes: a tensor that autograd made kept inside a module's attribute "
+                    "(a list or dict of outputs saved in forward: keep them .detach()ed), a "
+                    "lock or an open file among its attributes"
                 ) from error
             # Before the optimizer factory groups them.
             carry_parameter_extras(model, source, ctx.device.torch_device)
@@ -1352,9 +1360,18 @@ class Trainer(Resumable, Generic[M]):
         self._replicas = replicas
 
     def _new_scheduler(self) -> StepScheduler:
-        return StepScheduler(
+        scheduler = StepScheduler(
             self.devices, step_timeout=self.step_timeout, threads_per_worker=self.threads_per_worker
         )
+        # Every job in grad mode, autocast off (`precision` turns it on in the step), whatever
+        # the event loop's thread is in: its grad mode and autocast are every task's on the
+        # loop, and another task's `with torch.autocast(...)` or `with torch.no_grad()` open
+        # across an await (a service's inference) would reach this trainer's steps.
+        scheduler._job_state = {
+            device.type: CallerState(True, False, torch.get_autocast_dtype(device.type))
+            for device in self.devices
+        }
+        return scheduler
 
     def _jobs(self) -> Jobs:
         return Jobs(
@@ -1492,6 +1509,21 @@ def _check_made(model: nn.Module) -> None:
             "model.to_empty(device='cpu') then each module's reset_parameters() (or "
             "load_state_dict(state, assign=True))"
         )
+
+
+def _detached_attributes(model: nn.Module) -> dict[int, Any]:
+    """A ``copy.deepcopy`` memo that copies each tensor autograd made and a module keeps as a
+    plain attribute detached: ``copy.deepcopy`` refuses such a tensor, and torch's own
+    rewrites keep one (``torch.nn.utils.prune``'s ``weight``, the legacy ``weight_norm`` and
+    ``spectral_norm``'s, each remade from the module's parameters by a forward pre-hook before
+    every forward), as may a module that keeps its last output. A copy's own forward remakes
+    it from the copy's parameters."""
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                memo[id(value)] = value.detach().clone()
+    return memo
 
 
 def _describe(error: BaseException) -> str:

@@ -17,6 +17,7 @@ import anyio
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.nn.utils.prune
 from torch import nn
 
 import asyncddp
@@ -1022,3 +1023,120 @@ async def test_a_carried_container_keeps_its_cycles_shared_references_and_keys()
     assert second.config["self"] is second.config
     assert second.config["pair"][0] is second.config["pair"][1]
     assert second.config[second[0]] == 2.0
+
+
+# -- models torch rewrites: pruning, legacy weight_norm and spectral_norm, parametrizations ----
+
+
+def _pruned(model: nn.Sequential) -> nn.Sequential:
+    torch.nn.utils.prune.l1_unstructured(model[0], "weight", amount=0.5)
+    return model
+
+
+def _legacy_spectral(model: nn.Sequential) -> nn.Sequential:
+    torch.nn.utils.spectral_norm(model[3])
+    with torch.no_grad():  # its weight, made by a forward: one in eval mode still makes it
+        model.eval()(torch.zeros(1, FEATURES))
+    model.train()
+    model(torch.zeros(2, FEATURES))  # a forward in training: its weight has a graph now
+    return model
+
+
+def _legacy_weight_norm(model: nn.Sequential) -> nn.Sequential:
+    with pytest.warns(FutureWarning):  # torch deprecates it
+        torch.nn.utils.weight_norm(model[0])
+    return model
+
+
+@pytest.mark.parametrize("rewrite", [_pruned, _legacy_spectral, _legacy_weight_norm])
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_models_whose_weight_a_forward_pre_hook_remakes_train_as_the_plain_loop(
+    rewrite: Any, devices: int
+) -> None:
+    # Pruning keeps weight = weight_orig * weight_mask as a plain attribute with a graph, and
+    # the legacy weight_norm and spectral_norm keep theirs so: copy.deepcopy refuses such a
+    # tensor, and the copies for the devices past the first failed to be made (a
+    # ConfigurationError that blamed the legacy weight_norm), where one device trained. Each
+    # copy's pre-hook remakes it from the copy's own parameters before every forward.
+    batches = make_batches([6, 8, 4])
+    model = rewrite(make_model())
+    expected = rewrite(make_model())
+    trainer = trainer_on(devices, model)
+    await trainer.fit(batches, epochs=2)
+    optimizer = SGD(expected.parameters())
+    for _ in range(2):
+        plain_epoch(expected, optimizer, batches)
+    assert_matches(trainer, expected)
+    assert trainer.model is model
+
+
+async def test_pruning_between_fits_is_refused_naming_the_renamed_parameter() -> None:
+    # Pruning registers weight_orig last: compared by position, the message named 0.bias,
+    # which did not change, as "another parameter now ... a layer replaced".
+    batches = make_batches([4])
+    trainer = trainer_on(2, make_model())
+    await trainer.fit(batches, epochs=1)
+    torch.nn.utils.prune.l1_unstructured(trainer.model[0], "weight", amount=0.5)
+    with pytest.raises(ConfigurationError) as caught:
+        await trainer.fit(batches, epochs=2)
+    message = str(caught.value)
+    assert "0.weight is gone and 0.weight_orig is new" in message
+    assert "torch.nn.utils.prune renames weight to weight_orig" in message
+    assert "0.bias" not in message
+    assert trainer.global_step == 1
+    # As the message says: a new Trainer over the pruned model trains it, on 2 devices too.
+    again = trainer_on(2, trainer.model)
+    await again.fit(batches, epochs=1)
+    assert again.global_step == 1
+
+
+async def test_a_weight_assigned_through_a_parametrization_is_refused_with_its_layout() -> None:
+    # torch stores the value with set_(), which here lays the original out transposed: the
+    # message blamed channels_last alone, and gave no way to lay it out as it was.
+    model = make_model()
+    torch.nn.utils.parametrizations.orthogonal(model[0])
+    batches = make_batches([6])
+    trainer = trainer_on(2, model)
+    await trainer.fit(batches, epochs=1)
+    original = model[0].parametrizations.weight.original
+    with torch.no_grad():
+        model[0].weight = torch.linalg.qr(torch.randn(16, FEATURES))[0]
+    assert not original.is_contiguous()
+    with pytest.raises(
+        ConfigurationError,
+        match=r"0\.parametrizations\.weight\.original is laid out otherwise in memory, "
+        r"strides \(1, 16\) .*parametrize does when a parametrized weight is assigned.*"
+        r"param\.data = param\.data\.contiguous\(\)",
+    ):
+        await trainer.fit(batches, epochs=2)
+    original.data = original.data.contiguous()
+    await trainer.fit(batches, epochs=2)
+    assert trainer.global_step == 2
+
+
+async def test_parametrize_cached_in_the_step_is_named_in_the_error() -> None:
+    # Its cache is keyed by trainer.model's module, which each copy's property names: under
+    # it every device reads the first's weight, and its backward writes there.
+    turns = threading.Barrier(2, timeout=10)
+    unit = torch.ones(FEATURES, 16)
+
+    def cached_step(model: nn.Module, batch: Batch) -> torch.Tensor:
+        inputs, targets = batch
+        worker = current_worker()
+        assert worker is not None
+        with torch.nn.utils.parametrize.cached():
+            if worker.device.index == 0:
+                _ = model[0].weight  # cached, under the key of trainer.model's module
+                turns.wait()  # the other device reads it now
+                turns.wait()
+                return loss_step(nn.Sequential(*model[1:]), (inputs @ unit, targets))
+            turns.wait()
+            loss = loss_step(model, batch)  # with the first device's weight
+            turns.wait()
+            return loss
+
+    model = make_model()
+    torch.nn.utils.parametrizations.orthogonal(model[0])
+    trainer = Trainer(model, SGD, cached_step, devices=cpu_devices(2), progress_bar=False)
+    with pytest.raises(asyncddp.StepOutputError, match=r"parametrize\.cached\(\) does so too"):
+        await trainer.fit(make_batches([6]), epochs=1)

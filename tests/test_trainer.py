@@ -3137,13 +3137,15 @@ def test_bad_configuration_fails_at_construction() -> None:
         Trainer(model, SGD, loss_step, lr_scheduler_interval="batch")  # type: ignore[arg-type]
 
 
-class KeepsAnOutput(nn.Module):
-    """Keeps a tensor autograd made (an output of its own layer) as an attribute."""
+class KeepsOutputs(nn.Module):
+    """Keeps tensors autograd made (outputs of its own layer): one as an attribute, others in a
+    list."""
 
     def __init__(self) -> None:
         super().__init__()
         self.layer = nn.Linear(FEATURES, 3)
         self.last = self.layer(torch.ones(1, FEATURES))
+        self.history = [self.layer(torch.zeros(1, FEATURES))]
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.layer(inputs)
@@ -3151,12 +3153,16 @@ class KeepsAnOutput(nn.Module):
 
 async def test_a_model_that_cannot_be_copied_is_a_configuration_error_saying_why() -> None:
     # It was the second device's WorkerFailedError in "phase setup", as if the device failed.
-    trainer = Trainer(KeepsAnOutput(), SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
-    with pytest.raises(ConfigurationError, match=r"cannot be copied .* keep it \.detach\(\)ed"):
+    # (A tensor with a graph kept as a module's attribute itself is copied detached.)
+    model = KeepsOutputs()
+    trainer = Trainer(model, SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    with pytest.raises(ConfigurationError, match=r"cannot be copied .* keep them \.detach\(\)ed"):
         await trainer.fit(make_batches([4]), epochs=1)
-    trainer.model.last = trainer.model.last.detach()
+    trainer.model.history = [t.detach() for t in model.history]
     result = await trainer.fit(make_batches([4]), epochs=1)
     assert result.global_step == 1
+    assert model.last.grad_fn is not None  # the model's own, as it was
+    assert trainer._replicas[1].model.last.grad_fn is None
 
 
 @pytest.mark.parametrize("devices", [1, 2])
@@ -5075,3 +5081,59 @@ def test_a_fit_left_pending_in_a_closed_loop_is_named_and_refuses_every_call(
     task.get_coro().close()
     for worker in scheduler._workers:
         worker.stop()
+
+
+# -- another task's thread-local modes -------------------------------------------------------
+
+
+async def _fit_beside(mode: Callable[[], Any], devices: int) -> tuple[Trainer, list[torch.dtype]]:
+    """Fit while another task on the loop holds ``mode()`` open across its awaits (a service's
+    inference under no_grad or autocast); the dtypes of the fit's forwards."""
+    dtypes: list[torch.dtype] = []
+
+    def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        logits = model(batch[0])
+        dtypes.append(logits.dtype)
+        return F.cross_entropy(logits.float(), batch[1])
+
+    trainer = Trainer(make_model(), SGD, step, devices=cpu_devices(devices), progress_bar=False)
+    batches = make_batches([8, 8, 8])  # made under inference_mode, they would be its tensors
+    entered, done = anyio.Event(), anyio.Event()
+
+    async def other_task() -> None:
+        with mode():
+            entered.set()
+            await done.wait()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(other_task)
+        await entered.wait()
+        try:
+            await trainer.fit(batches, epochs=1)
+        finally:
+            done.set()
+    return trainer, dtypes
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_another_tasks_autocast_does_not_reach_a_running_fit(devices: int) -> None:
+    # The loop thread's autocast is every task's: a fit took it at every step, and trained in
+    # bfloat16 beside a task validating another model under torch.autocast, without a word.
+    with pytest.warns(
+        asyncddp.AsyncDDPWarning, match=r"autocast is on for cpu .*Trainer\(precision="
+    ):
+        trainer, dtypes = await _fit_beside(
+            lambda: torch.autocast("cpu", dtype=torch.bfloat16), devices
+        )
+    assert set(dtypes) == {torch.float32}
+    alone = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(devices), progress_bar=False)
+    await alone.fit(make_batches([8, 8, 8]), epochs=1)
+    assert_close(trainer.model, alone.model, tol=0)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_another_tasks_no_grad_does_not_reach_a_running_fit(devices: int) -> None:
+    # It failed the fit with "the step's loss does not require grad", blaming the step.
+    for mode in (torch.no_grad, torch.inference_mode):
+        trainer, _ = await _fit_beside(mode, devices)
+        assert trainer.global_step == 3
