@@ -501,11 +501,13 @@ class Epochs(DistributedSteps):
         result = await self._scheduler_run(
             self._jobs().differs, [None] * len(self.devices), phase="check"
         )
-        for device, name in zip(self.devices, result.outputs, strict=True):
-            if name is not None:
+        for device, found in zip(self.devices, result.outputs, strict=True):
+            if found is not None:
+                name, how = found
                 raise AsyncDDPError(
                     f"after {after}, parameter {name!r} differs between "
-                    f"{self.devices[0].name}'s copy of the model and {device.name}'s: the step "
+                    f"{self.devices[0].name}'s copy of the model and {device.name}'s ({how}): "
+                    "the step "
                     "or the model's forward changed it in place, each device by its own share "
                     "of the batch (nn.Embedding(max_norm=...) renormalizes the rows it looks "
                     "up; a parameter updated from the data), so the copies drift apart. Keep "

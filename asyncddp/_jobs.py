@@ -284,6 +284,17 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def _difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    """How two tensors of one shape differ, for a message: in how many elements, by how much
+    at most (a rounding difference, 1e-7 of float32 values, or a drift of its own)."""
+    if not (a.is_floating_point() or a.is_complex()):
+        return f"{int((a != b).sum())} of {a.numel()} elements"
+    apart = ~((a == b) | (torch.isnan(a) & torch.isnan(b)))
+    gap = (a - b)[apart].abs()
+    largest = float(gap.max()) if gap.numel() else 0.0
+    return f"{int(apart.sum())} of {a.numel()} elements, by up to {largest:.3g}"
+
+
 class Jobs:
     """The jobs of one trainer, bound to its replicas, step functions and precision."""
 
@@ -645,17 +656,18 @@ class Jobs:
                 replica.restore_buffers()
         replica.used = [False] * len(replica.params)
 
-    def differs(self, ctx: WorkerContext, _: None) -> str | None:
-        """The name of the first parameter of this replica whose values are not the first
-        replica's, or ``None`` (the first's job compares nothing). CPU replicas only: no job
-        writes a parameter meanwhile, and the first's are read here as they are."""
+    def differs(self, ctx: WorkerContext, _: None) -> tuple[str, str] | None:
+        """The first parameter of this replica whose values are not the first replica's, or
+        ``None`` (the first's job compares nothing): its name, how many of its elements
+        differ and by how much at most. CPU replicas only: no job writes a parameter
+        meanwhile, and the first's are read here as they are."""
         if not ctx.device.index:
             return None
         first = self.replicas[0].model.named_parameters()
         mine = self.replicas[ctx.device.index].model.parameters()
         for (name, theirs), own in zip(first, mine, strict=True):
             if not _same(own.detach(), theirs.detach()):
-                return name
+                return name, _difference(own.detach(), theirs.detach())
         return None
 
     def regroup(self, ctx: WorkerContext, work: tuple[int, bool]) -> None:
