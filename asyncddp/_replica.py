@@ -352,9 +352,16 @@ def check_rebuilt(first: Replica) -> None:
     built = first.built_params
     trained = {id(p) for p in first.params}
     names = {id(p): name for name, p in first.model.named_parameters()}
-    renamed = _renamed(first.built_names, list(names.values()))
+    now_names = list(names.values())
+    renamed = _renamed(first.built_names, now_names)
     if renamed:
         _refuse(renamed)
+    moved = [name for name, was in zip(now_names, first.built_names, strict=True) if name != was]
+    if moved:  # each device's copy and its optimizer hold them in the order they were built
+        _refuse(
+            f"its parameters are in another order now ({first_names(moved)} moved: a "
+            "parameter deleted and registered again goes last)"
+        )
     if len(now) != len(built):
         _refuse(f"it had {len(built)} parameters, and has {len(now)} now")
     for param, was, layout, strides in zip(
@@ -413,9 +420,9 @@ def check_rebuilt(first: Replica) -> None:
 
 def _renamed(built: Sequence[str], now: Sequence[str]) -> str | None:
     """What `check_rebuilt` says of parameters named otherwise than when the replicas were
-    built (``None`` if the names are the same ones): pruning and parametrizations register
-    the parameter they rewrite under a new name, last, so comparing by position would name a
-    parameter that did not change."""
+    built (``None`` if the names are the same ones): which are gone and which are new, where
+    comparing by position would name a parameter that did not change (pruning and
+    parametrizations register the one they rewrite under a new name, last)."""
     kept = set(built) & set(now)
     gone = [name for name in built if name not in kept]
     new = [name for name in now if name not in kept]
@@ -426,12 +433,19 @@ def _renamed(built: Sequence[str], now: Sequence[str]) -> str | None:
         said.append(f"{first_names(gone)} {'is' if len(gone) == 1 else 'are'} gone")
     if new:
         said.append(f"{first_names(new)} {'is' if len(new) == 1 else 'are'} new")
-    return (
-        " and ".join(said)
-        + " (torch.nn.utils.prune renames weight to weight_orig, torch.nn.utils.parametrize "
-        "to parametrizations.weight.original; a layer added or removed): prune or "
-        "parametrize the model before building its Trainer"
-    )
+    what = " and ".join(said)
+    if len(now) != len(built):
+        what = f"it had {len(built)} parameters, and has {len(now)} now ({what})"
+    rewritten = {name.removesuffix("_orig") for name in new} | {
+        name.replace("parametrizations.", "").removesuffix(".original") for name in new
+    }
+    if rewritten & set(gone):
+        what += (
+            " (torch.nn.utils.prune renames weight to weight_orig, torch.nn.utils.parametrize "
+            "to parametrizations.weight.original): prune or parametrize the model before "
+            "building its Trainer"
+        )
+    return what
 
 
 def _layout(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device]:

@@ -45,6 +45,9 @@ from typing import Any, Generic, Literal, Never, cast
 import anyio
 import torch
 from torch import nn
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from . import _checkpoint, _comm, _devices, distributed
 from ._checks import (
@@ -955,15 +958,6 @@ class Trainer(Resumable, Generic[M]):
         self._refuse_if_running(
             "save_checkpoint()" if kind == "checkpoint" else f"{kind}()", calls=False
         )
-        on = sorted({d.type for d in self.devices if torch.is_autocast_enabled(d.type)})
-        if on and kind != "checkpoint":
-            warn_user(
-                f"torch.autocast is on for {' and '.join(on)} on the event loop's thread as "
-                f"this {kind}() starts, and a Trainer's steps do not take it: the thread's "
-                "autocast is shared by every task on the loop (another task's open `with "
-                "torch.autocast(...)` among them). For mixed precision, pass "
-                "Trainer(precision='bf16') (or 'fp16')"
-            )
         self._stragglers = [thread for thread in self._stragglers if thread.is_alive()]
         if self._stragglers:
             names = ", ".join(thread.name for thread in self._stragglers)
@@ -1314,9 +1308,10 @@ class Trainer(Resumable, Generic[M]):
                 raise ConfigurationError(
                     f"trainer.model cannot be copied for the devices past the first, which "
                     f"train copies of it: copy.deepcopy raised {_describe(error)}. Usual "
-                    "causes: a tensor that autograd made kept inside a module's attribute "
-                    "(a list or dict of outputs saved in forward: keep them .detach()ed), a "
-                    "lock or an open file among its attributes"
+                    "causes: a tensor that autograd made kept on a module (an output saved "
+                    "in forward: keep it .detach()ed; a view of a parameter made in __init__, "
+                    "self.w_t = self.weight.t(): make it in forward), a lock or an open file "
+                    "among its attributes"
                 ) from error
             # Before the optimizer factory groups them.
             carry_parameter_extras(model, source, ctx.device.torch_device)
@@ -1512,18 +1507,25 @@ def _check_made(model: nn.Module) -> None:
 
 
 def _detached_attributes(model: nn.Module) -> dict[int, Any]:
-    """A ``copy.deepcopy`` memo that copies each tensor autograd made and a module keeps as a
-    plain attribute detached: ``copy.deepcopy`` refuses such a tensor, and torch's own
-    rewrites keep one (``torch.nn.utils.prune``'s ``weight``, the legacy ``weight_norm`` and
-    ``spectral_norm``'s, each remade from the module's parameters by a forward pre-hook before
-    every forward), as may a module that keeps its last output. A copy's own forward remakes
-    it from the copy's parameters."""
+    """A ``copy.deepcopy`` memo that copies detached each weight torch's own rewrites keep as a
+    plain attribute with a graph and remake before every forward, by a forward pre-hook
+    (``torch.nn.utils.prune``'s ``weight``, the legacy ``weight_norm`` and ``spectral_norm``'s):
+    ``copy.deepcopy`` refuses a tensor autograd made, and a copy's own forward remakes it
+    from the copy's parameters. Any other such tensor is left to be refused: detached, one
+    that the forward uses (``self.w_t = self.weight.t()``) would be a constant on the copies."""
     memo: dict[int, Any] = {}
     for module in model.modules():
-        for value in vars(module).values():
-            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
-                memo[id(value)] = value.detach().clone()
+        for hook in module._forward_pre_hooks.values():
+            if isinstance(hook, _REMAKERS):
+                name = getattr(hook, "_tensor_name", None) or getattr(hook, "name", None)
+                value = module.__dict__.get(name) if isinstance(name, str) else None
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    memo[id(value)] = value.detach().clone()
     return memo
+
+
+#: The forward pre-hooks that remake a module's weight attribute before every forward.
+_REMAKERS = (BasePruningMethod, WeightNorm, SpectralNorm)
 
 
 def _describe(error: BaseException) -> str:

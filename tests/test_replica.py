@@ -1140,3 +1140,39 @@ async def test_parametrize_cached_in_the_step_is_named_in_the_error() -> None:
     trainer = Trainer(model, SGD, cached_step, devices=cpu_devices(2), progress_bar=False)
     with pytest.raises(asyncddp.StepOutputError, match=r"parametrize\.cached\(\) does so too"):
         await trainer.fit(make_batches([6]), epochs=1)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (  # tying: a parameter gone, and no word of pruning
+            lambda model: setattr(model[3], "weight", model[0].weight),
+            None,
+        ),
+        (  # a layer added
+            lambda model: model.append(nn.Linear(3, 3)),
+            r"it had 4 parameters, and has 6 now \(4\.weight, 4\.bias are new\)\. ",
+        ),
+        (  # the same parameter deleted and registered again: it goes last
+            lambda model: model[0].register_parameter("weight", model[0]._parameters.pop("weight")),
+            r"its parameters are in another order now \(0\.bias, 0\.weight moved: a parameter "
+            r"deleted and registered again goes last\)",
+        ),
+    ],
+)
+async def test_parameters_tied_added_or_moved_between_fits_are_named_as_they_changed(
+    change: Any, message: str | None
+) -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Identity(), nn.Linear(3, 3))
+    batches = [(torch.randn(4, 3), torch.randint(0, 3, (4,)))]
+    trainer = Trainer(model, SGD, loss_step, devices=cpu_devices(2), progress_bar=False)
+    await trainer.fit(batches, epochs=1)
+    change(trainer.model)
+    with pytest.raises(ConfigurationError) as caught:
+        await trainer.fit(batches, epochs=2)
+    said = str(caught.value)
+    assert "prune" not in said
+    if message is None:
+        assert "it had 4 parameters, and has 3 now (3.weight is gone)" in said
+    else:
+        assert re.search(message, said), said
