@@ -3828,7 +3828,9 @@ async def test_without_atomic_steps_a_late_job_s_optimizer_step_is_not_gone_on_f
         await trainer.fit(batches, epochs=2)
     with pytest.raises(asyncddp.AsyncDDPError, match=r"could not be undone"):
         trainer.state_dict()  # it gave that state without a word, to be loaded back
-    # The way out the error names: a state saved before, here the epoch's checkpoint.
+    # The way out the error names: a state saved before, here the epoch's checkpoint. (The
+    # hang is spent: no timeout left for a loaded machine's ordinary step to outlive.)
+    trainer.step_timeout = None
     await trainer.fit(batches, epochs=2, resume="latest")
     assert trainer.global_step == 4
     expected = Trainer(make_model(), SGD, loss_step, devices=cpu_devices(1), progress_bar=False)
