@@ -198,7 +198,8 @@ class Trainer(Resumable, Generic[M]):
         max_retries: Retries per step with ``on_failure="retry"``.
         atomic_steps: Copy parameters and optimizer state before each optimizer step, so that
             a step that fails on any device is undone on every device. Costs one copy of both per
-            device; two for one CPU device in one process (there the next step's copy is made
+            device (one between the CPU workers of a process, each copying its part of it); two
+            for one CPU device in one process (there the next step's copy is made
             ahead, while the event loop handles a step's results, so the step does not wait for
             it). Across processes with one CPU device each, the copy is made while the rank
             waits for the others' gradients (not with a ``step_timeout`` or loss scaling,
