@@ -799,9 +799,10 @@ def test_a_save_cancelled_as_it_writes_waits_for_the_write_and_says_so(
     import asyncio
     import time
 
-    save = _checkpoint.save
+    save, began = _checkpoint.save, []
 
     def slow_save(state: Any, path: Any) -> Any:
+        began[0]()  # the write has begun
         time.sleep(0.3)
         return save(state, path)
 
@@ -811,8 +812,13 @@ def test_a_save_cancelled_as_it_writes_waits_for_the_write_and_says_so(
 
     async def main() -> list[str]:
         stream = trainer.events()
+        writing = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        began.append(lambda: loop.call_soon_threadsafe(writing.set))
         task = asyncio.create_task(trainer.save_checkpoint(target))
-        await asyncio.sleep(0.1)  # in the write
+        # In the write: the replicas are built first, which a loaded machine took more than
+        # the 0.1 s this waited once for (the save was then cancelled before it wrote).
+        await writing.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
