@@ -45,6 +45,7 @@ from ._exceptions import (
 from ._loop import Waker, current_waker
 from ._openmp import release_idle_threads
 from ._progress import Progress, ProgressTracker
+from ._vml import warm_vector_math
 from ._worker import (
     CallerState,
     DeviceWorker,
@@ -450,6 +451,11 @@ class StepScheduler:
             # their threads together outnumber the cores: libgomp then stops busy-waiting
             # between ops, and every op of a step waits for its threads to wake (see _openmp).
             release_idle_threads()
+        if cpu_workers:
+            # oneMKL's vector-math kernels are picked at each function's first call, and first
+            # calls made together can run a low-accuracy one: made here, alone, before the
+            # workers make theirs together (see _vml).
+            warm_vector_math()
         # Read once for them all: what the CPU workers put back in torch's global count.
         count = new_threads_count() if cpu_workers else None
         workers = tuple(

@@ -1573,3 +1573,54 @@ async def test_after_a_failure_a_job_still_running_past_step_timeout_is_named_at
             release.set()
     finally:
         release.set()
+
+
+_FIRST_SQRT = """
+import asyncio, functools, threading
+import torch
+import torch.nn.functional as F
+import asyncddp
+
+first = []
+
+def recording(original):
+    def call(*args, **kwargs):
+        if not first:
+            first.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+    return call
+
+torch.sqrt = recording(torch.sqrt)
+torch.Tensor.sqrt = recording(torch.Tensor.sqrt)
+
+async def main():
+    torch.manual_seed(0)
+    trainer = asyncddp.Trainer(
+        torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)),
+        functools.partial(torch.optim.Adam, lr=1e-3),  # its step: exp_avg_sq.sqrt()
+        lambda model, batch: F.mse_loss(model(batch[0]), batch[1]),
+        devices=asyncddp.cpu_devices(4),
+        progress_bar=False,
+    )
+    await trainer.fit([(torch.randn(16, 16), torch.randn(16, 1))], epochs=1)
+
+asyncio.run(main())
+print(first[0])
+"""
+
+
+def test_a_fresh_processs_first_sqrt_runs_before_the_cpu_workers_start() -> None:
+    # oneMKL (2024.2, in torch's wheels) picks a vector-math function's kernel at its first
+    # call, and first calls made together can run a low-accuracy one (pytorch/pytorch#188792):
+    # the first optimizer step of a fresh process ran exp_avg_sq.sqrt() on every worker at
+    # once, one replica's first parameter took another step (2 of about 1,200 processes), and
+    # the fit failed its first-step comparison (CI's soak run). The first call is made on the
+    # thread that starts the workers, alone. (A fresh interpreter: the first call is a process's.)
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST_SQRT], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    thread = done.stdout.strip().splitlines()[-1]
+    assert not thread.startswith("asyncddp-worker"), f"the process's first sqrt ran on {thread}"
