@@ -498,22 +498,22 @@ def _copy_tensors(
     track: bool = False,
     part: tuple[int, int] | None = None,
 ) -> _Copy:
-    """Copy ``params`` and the optimizer's state for them, into ``reuse``'s buffers where they
-    fit (so that after the first step a copy allocates nothing). With ``track``, keep each
+    """Copy ``params`` and the optimizer's state for them, into ``reuse``'s buffers if every
+    one fits (so that after the first steps a copy allocates nothing), else into new ones
+    (`_fresh`). With ``track``, keep each
     source and its version counter as it was before the copy (a copy made ahead); otherwise
     keep no reference to them (a replaced optimizer state must be let go). With ``part``
     (index, parts), copy only that part of the tensors' elements (`_copy_part`): the
     buffers are whole, the rest of them stale."""
     sources = [(p, p._version) for p in params] if track else []
-    targets: list[torch.Tensor | None] = []  # None: a buffer to make (see _fresh)
-    values: list[torch.Tensor] = []
-    if reuse is None or len(reuse.params) != len(params):
-        targets.extend([None] * len(params))
-    else:
-        targets.extend(reuse.params)
-    values.extend(p.detach() for p in params)
+    values = [p.detach() for p in params]
+    fitting: list[torch.Tensor | None] = (
+        list(reuse.params)
+        if reuse is not None and len(reuse.params) == len(params)
+        else [None] * len(params)
+    )
+    slots: list[tuple[dict[str, Any], str]] = []  # where each state tensor's buffer goes
     states: list[dict[str, Any] | None] = []
-    keys: list[tuple[dict[str, Any], str] | None] = [None] * len(params)  # where each goes
     present = 0
     for i, param in enumerate(params):
         state = optimizer.state.get(param)
@@ -529,39 +529,35 @@ def _copy_tensors(
                 if track:
                     sources.append((value, value._version))
                 buffer = previous.get(key) if previous else None
-                if not isinstance(buffer, torch.Tensor) or not _fits(buffer, value):
-                    buffer = None
-                targets.append(buffer)
+                fits = isinstance(buffer, torch.Tensor) and _fits(buffer, value)
+                fitting.append(buffer if fits else None)
                 values.append(value.detach())
-                keys.append((kept, key))
-                kept[key] = buffer
+                slots.append((kept, key))
+                kept[key] = None  # its place among the keys: the order the tensors are copied in
             else:
                 kept[key] = _snapshot(value, params)
         states.append(kept)
-    # Unless every buffer is reused, all are made anew: a block kept for the buffers that still
-    # fit would keep the slots of those replaced or dropped too, and, where another buffer then
-    # needed a block of its own at each step, one more block each step (a state changing shape
-    # each step, as a review measured: 7.6 MB more a step).
-    reused = sum(target is not None for target in targets)
-    if reused != len(targets) or (reuse is not None and reused != len(_saved_tensors(reuse))):
-        targets = [None] * len(targets)
-    made = _fresh([value for target, value in zip(targets, values, strict=True) if target is None])
-    for index, target in enumerate(targets):
-        if target is None:
-            targets[index] = buffer = next(made)
-            where = keys[index]
-            if where is not None:
-                where[0][where[1]] = buffer
-    saved_params = cast(list[torch.Tensor], targets[: len(params)])
-    filled = cast(list[torch.Tensor], targets)
+    # The old buffers are reused only if every one fits and none is left over; else all are
+    # made anew: a block kept for the buffers that still fit would keep the slots of those
+    # replaced or dropped too, and, where another buffer then needed a block of its own at each
+    # step, one more block each step (a state changing shape each step, as a review measured:
+    # 7.6 MB more a step).
+    whole = (
+        reuse is not None
+        and all(buffer is not None for buffer in fitting)
+        and len(fitting) == len(_saved_tensors(reuse))
+    )
+    buffers = cast(list[torch.Tensor], fitting) if whole else _fresh(values)
+    for (kept, key), buffer in zip(slots, buffers[len(params) :], strict=True):
+        kept[key] = buffer
     if part is None:
-        torch._foreach_copy_(filled, values)
+        torch._foreach_copy_(buffers, values)
     else:
-        _copy_part(filled, values, part)
-    return _Copy(saved_params, states, sources, present)
+        _copy_part(buffers, values, part)
+    return _Copy(buffers[: len(params)], states, sources, present)
 
 
-def _fresh(values: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+def _fresh(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Contiguous buffers shaped as ``values``, in their order: views into one block a dtype
     and device. A backup in parts writes only its part of them (see `StepBackup.capture`),
     and the pages of the rest stay unbacked only in a block of its own: a buffer each, under
@@ -574,14 +570,16 @@ def _fresh(values: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
             sizes[where] = sizes.get(where, 0) + value.numel()
     blocks = {where: torch.empty(n, dtype=where[0], device=where[1]) for where, n in sizes.items()}
     offsets = dict.fromkeys(blocks, 0)
+    made = []
     for value in values:
         if not _plain(value):  # a subclass, sparse or quantized: a buffer of its own kind
-            yield torch.empty_like(value, memory_format=torch.contiguous_format)
+            made.append(torch.empty_like(value, memory_format=torch.contiguous_format))
             continue
         where = value.dtype, value.device
         start = offsets[where]
         offsets[where] = start + value.numel()
-        yield blocks[where][start : start + value.numel()].view(value.shape)
+        made.append(blocks[where][start : start + value.numel()].view(value.shape))
+    return made
 
 
 def _plain(value: torch.Tensor) -> bool:
