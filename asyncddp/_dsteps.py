@@ -265,6 +265,8 @@ class DistributedSteps(Steps):
             # Stepped per step on some ranks and per epoch on others, the ranks' learning
             # rates, and so their models, drift apart without a word.
             "lr_scheduler_interval": str(self.lr_scheduler_interval),
+            # Stepped on another metric, or on none, the same.
+            "lr_scheduler_monitor": str(self.lr_scheduler_monitor),
             "on_failure": str(self.on_failure),
             "buffers": str([(tuple(b.shape), b.dtype) for b in model.buffers()]),
             "frozen": str(frozen),

@@ -45,7 +45,7 @@ from ._scheduler import StepScheduler
 from ._steps import Window, shard_items
 from ._sync import group_settings, restore_group_settings
 
-__all__ = ["EpochRecord", "Epochs"]
+__all__ = ["EpochRecord", "Epochs", "check_monitor"]
 
 _log = logging.getLogger("asyncddp")
 
@@ -623,6 +623,13 @@ class Epochs(DistributedSteps):
             # loader's generator too, where the loaders share one.
             self._loader_rng = _checkpoint.capture_loader_rng(train_data)
             self._resumed_loader_rng = None  # the generators are where the epoch ends
+        # Before the LR step's lock: a monitored metric the epoch lacks raises with nothing
+        # stepped, and the next fit validates again and steps then.
+        metric = (
+            None
+            if self.lr_scheduler_monitor is None
+            else _monitored(record, self.lr_scheduler_monitor)
+        )
         stepping = any(replica.scheduler is not None for replica in self._replicas)
         if stepping and self._scheduler is not None and self.lr_scheduler_interval == "epoch":
             # The epoch's last step may have left its optimizer step queued on a lone GPU: the
@@ -639,7 +646,7 @@ class Epochs(DistributedSteps):
                     warnings.filterwarnings(
                         "ignore", "Detected call of `lr_scheduler.step", UserWarning
                     )
-                    _step_schedulers(self._replicas)
+                    _step_schedulers(self._replicas, metric)
             self.history.append(record)
             self.epoch += 1
             self._batches_done, self._epoch_rng, self._epoch_trained = 0, None, False
@@ -820,11 +827,12 @@ def _restore_modes(modes: list[tuple[torch.nn.Module, bool]]) -> None:
             module.train(mode)
 
 
-def _step_schedulers(replicas: list[Replica]) -> None:
+def _step_schedulers(replicas: list[Replica], metric: float | None = None) -> None:
     """Step every replica's per-epoch LR scheduler, or none: one that raises (a ``LambdaLR``
     whose function fails) would leave the replicas' schedules, and so their learning rates,
     apart. torch's ``step()`` counts the epoch before it computes the rates, so the ones
     stepped, the failed one included, are put back as they were, their optimizers' rates too.
+    ``metric``: what a ``ReduceLROnPlateau`` steps on (``lr_scheduler_monitor``'s value).
     Plain Python on floats: no tensor work."""
     stepped: list[tuple[Any, dict[str, Any], list[dict[str, Any]]]] = []
     try:
@@ -833,10 +841,79 @@ def _step_schedulers(replicas: list[Replica]) -> None:
             if scheduler is not None:
                 settings = [group_settings(group) for group in replica.optimizer.param_groups]
                 stepped.append((replica, scheduler.state_dict(), settings))
-                scheduler.step()
+                if metric is None:
+                    scheduler.step()
+                else:
+                    scheduler.step(metric)
     except BaseException:
         for replica, state, settings in stepped:
             replica.scheduler.load_state_dict(state)
             for group, saved in zip(replica.optimizer.param_groups, settings, strict=True):
                 restore_group_settings(group, saved)
         raise
+
+
+_MONITOR_FORM = (
+    "'valid_loss' (validation's loss, with valid_data), 'train_loss', or 'valid_<name>' / "
+    "'train_<name>' for a metric the step returns"
+)
+
+
+def check_monitor(monitor: object, interval: str) -> None:
+    """Refuse an ``lr_scheduler_monitor`` that names no metric of an `EpochRecord`, or one
+    given with ``lr_scheduler_interval="step"`` (a metric is known once an epoch)."""
+    if monitor is None:
+        return
+    if not isinstance(monitor, str) or not monitor.startswith(("train_", "valid_")):
+        raise ConfigurationError(f"lr_scheduler_monitor must be {_MONITOR_FORM}, not {monitor!r}")
+    if interval != "epoch":
+        raise ConfigurationError(
+            f"lr_scheduler_monitor={monitor!r} steps the LR scheduler on an epoch's metric, "
+            f"once an epoch, but lr_scheduler_interval is {interval!r}: leave it 'epoch'"
+        )
+
+
+def check_monitor_fits(
+    replicas: list[Replica], monitor: str | None, valid_data: Iterable[Any] | None
+) -> None:
+    """As a fit starts, its replicas built: a ``ReduceLROnPlateau`` needs a monitored
+    metric, a scheduler that steps on its own takes none, and ``valid_...`` needs
+    ``valid_data``."""
+    scheduler = replicas[0].scheduler if replicas else None
+    plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if plateau and monitor is None:
+        raise ConfigurationError(
+            "ReduceLROnPlateau steps on a metric: name the one it watches with "
+            f"Trainer(..., lr_scheduler_monitor=...), {_MONITOR_FORM}"
+        )
+    if monitor is not None and not plateau:
+        got = "no lr_scheduler" if scheduler is None else type(scheduler).__name__
+        raise ConfigurationError(
+            f"lr_scheduler_monitor={monitor!r} names the metric a ReduceLROnPlateau steps on, "
+            f"and this trainer has {got}, which steps on no metric: leave "
+            "lr_scheduler_monitor None"
+        )
+    if monitor is not None and monitor.startswith("valid_") and valid_data is None:
+        raise ConfigurationError(
+            f"lr_scheduler_monitor={monitor!r} is a validation metric, and this fit has no "
+            "valid_data: pass fit(..., valid_data=...), or monitor 'train_loss'"
+        )
+
+
+def _monitored(record: EpochRecord, monitor: str) -> float:
+    """The value of ``monitor`` (``lr_scheduler_monitor``) in the epoch's record."""
+    split, name = monitor.split("_", 1)
+    metrics: Mapping[str, float] | None
+    if split == "train":
+        metrics = {"loss": record.train_loss, **record.train_metrics}
+    else:
+        metrics = record.valid_metrics
+    if metrics is None or name not in metrics:
+        known = ", ".join(repr(f"{split}_{key}") for key in metrics or {}) or "none"
+        raise ConfigurationError(
+            f"lr_scheduler_monitor={monitor!r}: epoch {record.epoch} has no such metric "
+            f"(its {'training' if split == 'train' else 'validation'} metrics: {known}); "
+            "name one of these, or return it from the step as a dict entry "
+            f"({{'loss': ..., {name!r}: ...}})"
+        )
+    return metrics[name]

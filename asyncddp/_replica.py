@@ -871,12 +871,6 @@ def build_replica(
             "it makes one scheduler per replica from the optimizer it is given, such as "
             "functools.partial(torch.optim.lr_scheduler.StepLR, step_size=10)"
         )
-    if isinstance(made, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        raise ConfigurationError(
-            "ReduceLROnPlateau steps on a metric, and a Trainer steps its LR scheduler without "
-            "one; give a scheduler that steps on its own (StepLR, CosineAnnealingLR, OneCycleLR, "
-            "...)"
-        )
     return Replica(device, model, opt, made)
 
 

@@ -131,6 +131,7 @@ class Steps:
     on_failure: Literal["raise", "retry", "drop"]
     max_retries: int
     lr_scheduler_interval: Literal["epoch", "step"]
+    lr_scheduler_monitor: str | None
     step_timeout: float | None
     global_step: int
     _replicas: list[Replica]

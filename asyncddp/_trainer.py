@@ -63,7 +63,7 @@ from ._checks import (
 from ._data import empty_up_front, no_batches
 from ._devices import CPU_HINT, Device, DeviceSpec, resolve_devices
 from ._dsteps import for_other_trainers_call
-from ._epochs import EpochRecord
+from ._epochs import EpochRecord, check_monitor, check_monitor_fits
 from ._events import (
     EventHub,
     EventStream,
@@ -179,6 +179,11 @@ class Trainer(Resumable, Generic[M]):
         valid_step: The step for validation, run under ``torch.no_grad()``; by default ``step``.
         lr_scheduler: A factory ``optimizer -> LRScheduler``, called once per replica.
         lr_scheduler_interval: Step the LR scheduler every ``"epoch"`` or every ``"step"``.
+        lr_scheduler_monitor: The metric a ``ReduceLROnPlateau`` steps on at each epoch's
+            end: ``"valid_loss"`` (with ``valid_data``), ``"train_loss"``, or
+            ``"valid_<name>"`` / ``"train_<name>"`` for a metric the step returns. The
+            epoch's exact mean over every item, the same on every device and rank. ``None``
+            (the default) for a scheduler that steps on its own.
         accumulate_grad_batches: Batches per optimizer step (gradient accumulation).
         gradient_clip_val: Clip the gradients to this global L2 norm (over the averaged
             gradients, as DDP would), or ``None``.
@@ -246,6 +251,7 @@ class Trainer(Resumable, Generic[M]):
         valid_step: StepFunction[M] | None = None,
         lr_scheduler: SchedulerFactory | None = None,
         lr_scheduler_interval: Literal["epoch", "step"] = "epoch",
+        lr_scheduler_monitor: str | None = None,
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
         precision: Precision = "32",
@@ -341,6 +347,7 @@ class Trainer(Resumable, Generic[M]):
         self._step_fn = cast(StepFunction, step)
         self._valid_step_fn = cast(StepFunction, valid_step or step)
         self.lr_scheduler_interval = lr_scheduler_interval
+        self.lr_scheduler_monitor = lr_scheduler_monitor
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val = gradient_clip_val
         self.split_batches = split_batches
@@ -649,6 +656,8 @@ class Trainer(Resumable, Generic[M]):
             if valid_data is not None:
                 _check_data(valid_data, "valid_data", epochs - self.epoch)
             async with self._session("fit"):
+                # The replicas are built now, their schedulers with them.
+                check_monitor_fits(self._replicas, self.lr_scheduler_monitor, valid_data)
                 total = await rank_items_total_off_loop(train_data, 0, 1)  # all of the data
                 self._hub.publish(
                     FitStarted(epochs, self.epoch, tuple(d.name for d in self.devices), total)
@@ -1117,6 +1126,7 @@ class Trainer(Resumable, Generic[M]):
             self.lr_scheduler_interval in ("epoch", "step"),
             f"lr_scheduler_interval must be 'epoch' or 'step', not {self.lr_scheduler_interval!r}",
         )
+        check_monitor(self.lr_scheduler_monitor, self.lr_scheduler_interval)
         _check(
             self.on_failure in ("raise", "retry", "drop"),
             f"on_failure must be 'raise', 'retry' or 'drop', not {self.on_failure!r}",

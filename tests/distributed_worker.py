@@ -167,6 +167,20 @@ def trainer(
     )
 
 
+# Halves the learning rate after any epoch whose validation loss is not below half the best:
+# after the second epoch here, whatever the last digits of the loss.
+PLATEAU = functools.partial(
+    torch.optim.lr_scheduler.ReduceLROnPlateau, factor=0.5, patience=0, threshold=0.5
+)
+
+
+async def step_lrs(stream: asyncddp.EventStream, lrs: list[float | None]) -> None:
+    """Append each step's learning rate (``StepEnded.lr``) to ``lrs`` until the fit ends."""
+    async for event in stream:
+        if isinstance(event, asyncddp.StepEnded):
+            lrs.append(event.lr)
+
+
 def batchnorm_trainer(devices: int) -> asyncddp.Trainer:
     """The scenarios' trainer for a model with buffers (BatchNorm's running statistics)."""
     torch.manual_seed(0)
@@ -515,6 +529,22 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
             lr_scheduler_interval="step" if rank == 1 else "epoch",
         )
         report["error"] = await refusal(t.fit(batches(), epochs=1))
+    elif scenario == "monitor-differs":  # rank 1's ReduceLROnPlateau watches its train loss
+        t = trainer(
+            1,
+            lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau,
+            lr_scheduler_monitor="train_loss" if rank == 1 else "valid_loss",
+        )
+        report["error"] = await refusal(t.fit(batches(), valid_data=batches(5, 10), epochs=1))
+    elif scenario == "plateau":  # ReduceLROnPlateau on the validation loss, over every rank
+        t = trainer(1, lr_scheduler=PLATEAU, lr_scheduler_monitor="valid_loss")
+        lrs: list[float | None] = []
+        watcher = asyncio.create_task(step_lrs(t.events(), lrs))
+        result = await t.fit(batches(), epochs=3, valid_data=batches(5, 10))
+        await watcher
+        report["lrs"] = lrs
+        report["params"] = [p.detach().clone() for p in t.model.parameters()]
+        report["global_step"] = result.global_step
     elif scenario == "layout-differs":  # rank 1's first weight laid out column-major
         t = trainer(1)
         if rank == 1:

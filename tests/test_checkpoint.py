@@ -530,6 +530,28 @@ async def test_a_cyclic_lr_state_loads_into_every_device(tmp_path: Path) -> None
     assert lrs[0] == lrs[1]
 
 
+async def test_a_reduce_lr_on_plateau_resumed_from_a_checkpoint_goes_on_as_one_fit(
+    tmp_path: Path,
+) -> None:
+    # Its best metric and count of bad epochs travel in the checkpoint: resumed, it halves the
+    # rate where the uninterrupted fit does.
+    plateau = functools.partial(
+        torch.optim.lr_scheduler.ReduceLROnPlateau, factor=0.5, patience=1, threshold=0.5
+    )
+    options: dict[str, Any] = {"lr_scheduler": plateau, "lr_scheduler_monitor": "train_loss"}
+    whole = make_trainer(2, **options)
+    await whole.fit(batches(), epochs=4)
+    # Checkpointed after the third epoch, its first bad one: a fresh schedule would take the
+    # fourth for an improvement on no best at all.
+    await make_trainer(2, checkpoint_dir=tmp_path, **options).fit(batches(), epochs=3)
+    resumed = make_trainer(2, checkpoint_dir=tmp_path, **options)
+    await resumed.fit(batches(), epochs=4, resume="latest")
+    lrs = [r.optimizer.param_groups[0]["lr"] for r in (*whole._replicas, *resumed._replicas)]
+    assert lrs == [0.05] * 4  # halved once, after the fourth epoch (two bad, patience 1)
+    assert resumed._replicas[0].scheduler.state_dict() == whole._replicas[0].scheduler.state_dict()
+    assert_same(resumed.model.state_dict(), whole.model.state_dict())
+
+
 class Locked(nn.Linear):
     """A layer holding a lock: it cannot be deep-copied, so the check has no meta copy."""
 

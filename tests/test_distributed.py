@@ -396,6 +396,31 @@ def assert_history_like(history: list[Any], result: asyncddp.FitResult) -> None:
         assert set(valid) == {"loss", "accuracy"}
 
 
+def test_reduce_lr_on_plateau_steps_on_the_validation_loss_of_every_rank(tmp_path: Path) -> None:
+    # Each rank validates on its part of the data; the loss it steps on is the exact mean over
+    # every rank's items, the same everywhere, so the ranks halve their rates together.
+    import anyio
+
+    reports, codes, _ = launch("plateau", tmp_path)
+    assert codes == [0, 0]
+    trainer = one_device_trainer(lr_scheduler=worker.PLATEAU, lr_scheduler_monitor="valid_loss")
+    lrs: list[float | None] = []
+
+    async def fit() -> None:
+        async with anyio.create_task_group() as group:
+            group.start_soon(worker.step_lrs, trainer.events(), lrs)
+            await trainer.fit(merged(worker.batches()), epochs=3, valid_data=worker.batches(5, 10))
+
+    anyio.run(fit)
+    assert lrs == [0.2] * 8 + [0.1] * 4  # halved once, after the second epoch
+    for report in reports:
+        assert report is not None
+        assert report["lrs"] == lrs
+        assert report["global_step"] == trainer.global_step == 12
+        for mine, expected in zip(report["params"], trainer.model.parameters(), strict=True):
+            torch.testing.assert_close(mine, expected.detach(), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("exchange", ["packed", "apart"])
 @pytest.mark.parametrize("devices", [1, 2], ids=["1-device-per-rank", "2-devices-per-rank"])
 def test_two_ranks_end_with_the_parameters_of_one_device(
@@ -776,6 +801,8 @@ def test_every_rank_takes_rank_0s_batchnorm_statistics(tmp_path: Path, devices: 
         ("scheduler-differs", "lr_scheduler: StepLR {'step_size': 3, "),
         # Not compared before: the first two trained apart; the third trained on.
         ("interval-differs", "lr_scheduler_interval: step on rank 1, epoch on rank 0"),
+        # Stepped on each rank's own metric, the ranks' learning rates would part.
+        ("monitor-differs", "lr_scheduler_monitor: train_loss on rank 1, valid_loss on rank 0"),
         ("precision-differs", "autocast: bfloat16 on rank 1, off on rank 0"),
         # Each rank's gradients lie in its flat buffers as its weights do: summed element by
         # element, the ranks' models parted silently (0.23 apart, a review's two ranks).

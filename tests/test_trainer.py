@@ -398,6 +398,154 @@ async def test_lr_scheduler_steps_like_the_plain_loop(interval: str) -> None:
     assert trainer._replicas[1].optimizer.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
 
 
+# Halves the learning rate after any epoch whose metric is not better than half the best: so
+# a decision no rounding of the epoch's mean can turn.
+PLATEAU = functools.partial(
+    torch.optim.lr_scheduler.ReduceLROnPlateau, factor=0.5, patience=0, threshold=0.5
+)
+
+
+@pytest.mark.parametrize(
+    ("monitor", "mode"),
+    [("valid_loss", "min"), ("train_loss", "min"), ("valid_accuracy", "max")],
+)
+async def test_reduce_lr_on_plateau_steps_on_the_monitored_metric_like_the_plain_loop(
+    monitor: str, mode: str
+) -> None:
+    # Refused before, as it steps on a metric: now stepped on the epoch's exact mean.
+    train, valid = make_batches([4, 6, 4, 2]), make_batches([5, 3], seed=2)
+    schedule = functools.partial(PLATEAU, mode=mode)
+    model = make_model()
+    opt = SGD(model.parameters())
+    sched = schedule(opt)
+    lrs = []
+    for _ in range(3):
+        losses = []
+        for batch in train:
+            opt.zero_grad()
+            loss = loss_step(model, batch)
+            loss.backward()
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            losses.append((loss.item(), len(batch[0])))
+        with torch.no_grad():
+            metrics = [(metric_step(model, batch), len(batch[0])) for batch in valid]
+        if monitor == "train_loss":
+            value = sum(loss * n for loss, n in losses) / sum(n for _, n in losses)
+        else:
+            name = monitor.removeprefix("valid_")
+            value = sum(m[name].item() * n for m, n in metrics) / sum(n for _, n in metrics)
+        sched.step(value)
+    assert lrs[-1] < lrs[0]  # the schedule halved the rate: there is something to compare
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        metric_step,
+        devices=cpu_devices(2),
+        lr_scheduler=schedule,
+        lr_scheduler_monitor=monitor,
+        progress_bar=False,
+    )
+    seen: list[float | None] = []
+
+    async def watch(stream: asyncddp.EventStream) -> None:
+        async for event in stream:
+            if isinstance(event, StepEnded):
+                seen.append(event.lr)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(watch, trainer.events())
+        await trainer.fit(train, valid_data=valid, epochs=3)
+    assert seen == lrs
+    assert_close(trainer.model, model)
+    expected = sched.state_dict()
+    for replica in trainer._replicas:
+        state = replica.scheduler.state_dict()  # the best metric, as summed on two devices
+        assert state.pop("best") == pytest.approx(expected["best"], abs=1e-6)
+        assert state == {k: v for k, v in expected.items() if k != "best"}
+
+
+@pytest.mark.parametrize(
+    ("options", "valid", "expected"),
+    [
+        (
+            {"lr_scheduler": PLATEAU, "lr_scheduler_monitor": "valid_loss"},
+            False,
+            "lr_scheduler_monitor='valid_loss' is a validation metric, and this fit has no "
+            "valid_data",
+        ),
+        (
+            {
+                "lr_scheduler": functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1),
+                "lr_scheduler_monitor": "train_loss",
+            },
+            True,
+            "this trainer has StepLR, which steps on no metric",
+        ),
+        ({"lr_scheduler_monitor": "train_loss"}, True, "this trainer has no lr_scheduler"),
+    ],
+)
+async def test_a_monitor_that_does_not_fit_the_scheduler_or_the_fit_is_refused_before_a_step(
+    options: dict[str, Any], valid: bool, expected: str
+) -> None:
+    # Taken without a word, the monitor would do nothing, or fail after a whole epoch.
+    model = make_model()
+    before = copy.deepcopy(model.state_dict())
+    trainer = Trainer(model, SGD, loss_step, devices=cpu_devices(2), progress_bar=False, **options)
+    data = make_batches([4, 4])
+    with pytest.raises(ConfigurationError, match=re.escape(expected)):
+        await trainer.fit(data, valid_data=data if valid else None, epochs=1)
+    assert trainer.global_step == 0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"lr_scheduler_monitor": "val_loss"}, "lr_scheduler_monitor must be 'valid_loss'"),
+        ({"lr_scheduler_monitor": 5}, "'train_<name>' for a metric the step returns, not 5"),
+        (
+            {"lr_scheduler_monitor": "valid_loss", "lr_scheduler_interval": "step"},
+            "once an epoch, but lr_scheduler_interval is 'step'",
+        ),
+    ],
+)
+def test_a_monitor_that_names_no_epoch_metric_is_refused_as_the_trainer_is_built(
+    options: dict[str, Any], expected: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(expected)):
+        Trainer(make_model(), SGD, loss_step, devices="cpu", lr_scheduler=PLATEAU, **options)
+
+
+async def test_a_monitored_metric_the_step_does_not_return_is_named_and_the_next_fit_goes_on() -> (
+    None
+):
+    # Known only once the epoch has run: nothing is stepped, the epoch stays open, and a fit
+    # with the monitor put right validates again and closes it, once.
+    trainer = Trainer(
+        make_model(),
+        SGD,
+        metric_step,
+        devices=cpu_devices(2),
+        lr_scheduler=PLATEAU,
+        lr_scheduler_monitor="valid_acc",
+        progress_bar=False,
+    )
+    data = make_batches([4, 4])
+    with pytest.raises(ConfigurationError) as raised:
+        await trainer.fit(data, valid_data=data, epochs=1)
+    assert str(raised.value) == (
+        "lr_scheduler_monitor='valid_acc': epoch 0 has no such metric (its validation "
+        "metrics: 'valid_loss', 'valid_accuracy'); name one of these, or return it from the "
+        "step as a dict entry ({'loss': ..., 'acc': ...})"
+    )
+    assert (trainer.epoch, trainer.global_step, trainer.history) == (0, 2, [])
+    trainer.lr_scheduler_monitor = "valid_accuracy"
+    result = await trainer.fit(data, valid_data=data, epochs=1)
+    assert (trainer.epoch, trainer.global_step, len(result.history)) == (1, 2, 1)
+    assert trainer._replicas[0].scheduler.best == result.history[0].valid_metrics["accuracy"]
+
+
 async def test_an_epochs_lr_step_comes_after_the_kernels_its_last_step_left_running(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
