@@ -219,18 +219,18 @@ def _per_item(value: list[Any] | tuple[Any, ...], size: int) -> bool:
     """Whether ``value`` holds one entry per item of a batch of ``size`` items: a plain list or
     tuple of that many entries, with no tensor in them at any depth (a text field, as
     ``default_collate`` makes of strings; a field that is ``None`` for some items; each item's
-    list of words; each item's dict of metadata). Not numbers and ``None`` alone (a (height,
-    width) pair, a crop of (224, None): ``default_collate`` would have made per-item numbers a
-    tensor), nor a list of lists each one entry an item (``default_collate``'s of samples
-    holding a pair of texts, [premises, hypotheses]: it makes lists), whose fields are split
-    instead. Each item's own tuple (a pair, a triplet) is an item's whatever its length; each
-    item's list of words is too, unless every one has as many words as the batch has items,
-    which reads as ``default_collate``'s fields."""
+    list of words; each item's dict of metadata; each item's own tuple). Not numbers and
+    ``None`` alone (a (height, width) pair, a crop of (224, None): ``default_collate`` would
+    have made per-item numbers a tensor), nor lists or tuples each as long as the batch:
+    ``default_collate``'s fields of samples holding a pair of texts, ``[premises,
+    hypotheses]`` (a list of tuples), or ``zip(*items)``'s, which are split one by one instead.
+    That reading wins where the two meet, a batch of 2 items each with its own pair (or of n
+    with n words each): ``default_collate`` is every ``DataLoader``'s default."""
     return (
         type(value) in (list, tuple)
         and len(value) == size
         and not all(isinstance(item, _NUMBERS) or item is None for item in value)
-        and not all(type(item) is list and len(item) == size for item in value)
+        and not all(type(item) in (list, tuple) and len(item) == size for item in value)
         and not _holds_tensor(value)
     )
 

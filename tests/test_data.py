@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from collections import defaultdict
@@ -67,17 +68,55 @@ def test_per_item_fields_are_split_with_their_items_whatever_their_entries() -> 
     assert second["tags"] == ["train", ["c", "d"]]
     assert second["pair"] == [["p2", "p3"], ["h2", "h3"]]
     # A batch of two: a pair of fields, each one entry an item, is not taken for per-item
-    # entries; each item's own pair (a tuple) is; a setting of numbers and None is not cut.
+    # entries, as lists or as the tuples default_collate makes; a setting of numbers and None
+    # is not cut; each item's own pair, in a dict, stays the item's.
     pairs = [
         torch.arange(2),
         [["p0", "p1"], ["h0", "h1"]],
         (224, None),
-        [("q0", "a0"), ("q1", "a1")],
+        [("p0", "p1"), ("h0", "h1")],
+        [{"pair": ("q0", "a0")}, {"pair": ("q1", "a1")}],
     ]
     first, second = split_batch(pairs, 2)
     assert second[1] == [["p1"], ["h1"]]
     assert first[2] == second[2] == pairs[2]
-    assert second[3] == [("q1", "a1")]
+    assert second[3] == [("p1",), ("h1",)]
+    assert second[4] == [{"pair": ("q1", "a1")}]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("size", [2, 3, 4])
+async def test_default_collates_pair_of_texts_reaches_each_device_with_its_items(
+    size: int,
+) -> None:
+    # default_collate makes a sample's pair of texts [premises, hypotheses], a list of two
+    # tuples: in a batch of two, each tuple was taken for one item's pair, and one device got
+    # both premises, the other both hypotheses, beside one item's tensors each, without a word.
+    import asyncddp
+
+    samples = [
+        {"id": torch.tensor(i), "x": torch.randn(4), "pair": (f"premise{i}", f"hypothesis{i}")}
+        for i in range(size)
+    ]
+    loader = torch.utils.data.DataLoader(samples, batch_size=size)
+    seen: list[tuple[list[int], Any]] = []
+
+    def step(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        seen.append((batch["id"].tolist(), batch["pair"]))
+        return model(batch["x"]).square().mean()
+
+    trainer = asyncddp.Trainer(
+        torch.nn.Linear(4, 1),
+        functools.partial(torch.optim.SGD, lr=0.1),
+        step,
+        devices=asyncddp.cpu_devices(2),
+        progress_bar=False,
+    )
+    await trainer.fit(loader, epochs=1)
+    assert len(seen) == 2
+    for ids, (premises, hypotheses) in seen:
+        assert list(premises) == [f"premise{i}" for i in ids]
+        assert list(hypotheses) == [f"hypothesis{i}" for i in ids]
 
 
 def test_a_batch_whose_tensors_differ_in_dim_0_names_their_sizes_in_order() -> None:

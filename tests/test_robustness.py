@@ -506,6 +506,7 @@ leaves = st.sampled_from(
         "pair",
         "nested",
         "fields",
+        "field-lists",
         "crop",
         "nplabels",
         "pairs",
@@ -540,6 +541,8 @@ def batches(draw: Any) -> tuple[Any, int, dict[int, tuple[Any, bool]]]:
         elif kind == "nested":  # a tag and a list as long as the batch: not one entry an item
             value = ["tag", [f"x{i}" for i in range(size)]]
         elif kind == "fields":  # default_collate's of samples holding a pair of texts
+            value = [tuple(f"p{i}" for i in range(size)), tuple(f"h{i}" for i in range(size))]
+        elif kind == "field-lists":  # the same as lists
             value = [[f"p{i}" for i in range(size)], [f"h{i}" for i in range(size)]]
         elif kind == "pairs":  # each item's own pair, from a collate_fn of one's own
             value = [(f"q{i}", f"a{i}") for i in range(size)]
@@ -554,7 +557,8 @@ def batches(draw: Any) -> tuple[Any, int, dict[int, tuple[Any, bool]]]:
             bool(size)
             and len(value) == size
             and kind not in ("numbers", "pair", "crop", "nplabels")
-            and not (kind == "fields" and size == 2)
+            # in a batch of two, read as default_collate's fields: one entry a field
+            and not (kind in ("fields", "field-lists", "pairs") and size == 2)
             and not (kind == "mixed" and size == 1),  # [None]: as a crop's None, whole
         )
         return value
@@ -594,12 +598,13 @@ def holds_tensor(value: Any) -> bool:
 
 def one_entry_an_item(value: Any, size: int) -> bool:
     """The documented rule (training.md, Data): a list or tuple as long as the batch that holds
-    no tensor, not numbers and None alone, nor lists each as long as the batch (fields)."""
+    no tensor, not numbers and None alone, nor lists or tuples each as long as the batch
+    (fields)."""
     return (
         isinstance(value, (tuple, list))
         and len(value) == size > 0
         and not all(isinstance(entry, (int, float, np.number)) or entry is None for entry in value)
-        and not all(type(entry) is list and len(entry) == size for entry in value)
+        and not all(type(entry) in (list, tuple) and len(entry) == size for entry in value)
         and not holds_tensor(value)
     )
 
