@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections import UserDict
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sized
 from typing import Any, cast
 
@@ -240,19 +241,40 @@ _NUMBERS = (int, float, complex, np.number, np.bool_)
 
 
 def move_to(value: Any, device: torch.device, *, non_blocking: bool = False) -> Any:
-    """Move every tensor in ``value`` to ``device``, keeping the structure."""
+    """Move every tensor in ``value`` to ``device``, keeping the structure. A mapping in which
+    no tensor moves (a batch on its device already) is copied as ``copy.copy`` copies it,
+    keeping its type and what it holds besides its entries (a ``BatchEncoding``'s encodings):
+    a ``dict`` or ``UserDict``, whose copies hold entries of their own; any other mapping is
+    handed on itself. Lists are new ones, so that a step that pops an entry (``labels =
+    batch.pop("labels")``) changes neither the data nor the batch a retry runs again."""
+    return _moved(value, device, non_blocking)[0]
+
+
+def _moved(value: Any, device: torch.device, non_blocking: bool) -> tuple[Any, bool]:
+    """`move_to`'s ``value``, and whether a tensor in it moved."""
     if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=non_blocking)
+        moved = value.to(device, non_blocking=non_blocking)
+        return moved, moved is not value
     if isinstance(value, Mapping):
-        return _same_mapping(
-            value, {k: move_to(v, device, non_blocking=non_blocking) for k, v in value.items()}
-        )
-    if isinstance(value, tuple):
-        moved = [move_to(item, device, non_blocking=non_blocking) for item in value]
-        return type(value)(*moved) if hasattr(value, "_fields") else tuple(moved)
-    if isinstance(value, list):
-        return [move_to(item, device, non_blocking=non_blocking) for item in value]
-    return value
+        pairs = {k: _moved(v, device, non_blocking) for k, v in value.items()}
+        items = {k: item for k, (item, _) in pairs.items()}
+        if any(changed for _, changed in pairs.values()):
+            return _same_mapping(value, items), True
+        if isinstance(value, (dict, UserDict)):
+            clone = copy.copy(value)
+            clone.update(items)  # the entries' own copies: lists and mappings within
+            return clone, False
+        return value, False
+    if isinstance(value, (tuple, list)):
+        children = [_moved(item, device, non_blocking) for item in value]
+        entries = [item for item, _ in children]
+        changed = any(moved for _, moved in children)
+        if isinstance(value, list):
+            return entries, changed
+        if not changed and all(a is b for a, b in zip(entries, value, strict=True)):
+            return value, False
+        return (type(value)(*entries) if hasattr(value, "_fields") else tuple(entries)), changed
+    return value, False
 
 
 def holds_cuda(value: Any) -> bool:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import functools
 import re
 import threading
-from collections import defaultdict
+from collections import UserDict, defaultdict
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -117,6 +117,77 @@ async def test_default_collates_pair_of_texts_reaches_each_device_with_its_items
     for ids, (premises, hypotheses) in seen:
         assert list(premises) == [f"premise{i}" for i in ids]
         assert list(hypotheses) == [f"hypothesis{i}" for i in ids]
+
+
+class Encoded(UserDict[str, Any]):
+    """A tokenizer's batch (as ``BatchEncoding``): entries, and encodings beside them."""
+
+    def __init__(self, data: dict[str, Any] | None = None, encodings: Any = None) -> None:
+        super().__init__(data)
+        self.encodings = encodings
+
+
+class ReadOnly(Mapping[str, Any]):
+    """A mapping whose constructor takes a tag as well, which it keeps."""
+
+    def __init__(self, data: dict[str, Any], tag: str) -> None:
+        self._data, self.tag = dict(data), tag
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["encoded", "read-only", "dict"])
+async def test_a_batch_that_needs_no_move_reaches_the_step_as_itself_and_a_pop_changes_no_data(
+    kind: str,
+) -> None:
+    # On one CPU device a batch needs no split and no move, yet it was rebuilt from its
+    # entries: a BatchEncoding's encodings were dropped (word_ids() then blamed the
+    # tokenizer), a read-only mapping became a dict. Each job still gets a copy of its own,
+    # so that a step popping an entry finds it again in the next epoch and in a retry.
+    import asyncddp
+    from asyncddp.testing import failing_step
+
+    entries = {"x": torch.randn(4, 3), "y": torch.randn(4, 1), "meta": {"source": "a"}}
+    batch: Any = {
+        "encoded": Encoded(entries, encodings=["e0", "e1"]),
+        "read-only": ReadOnly(entries, tag="train"),
+        "dict": dict(entries),
+    }[kind]
+    seen: list[Any] = []
+
+    def step(model: torch.nn.Module, shard: Any) -> torch.Tensor:
+        seen.append(shard)
+        assert type(shard) is type(batch)
+        if kind == "encoded":
+            assert shard.encodings == ["e0", "e1"]
+        if kind == "read-only":
+            assert shard.tag == "train"
+        else:
+            shard.pop("y")  # a step that takes its targets out, as Hugging Face's do
+            shard["meta"]["source"] = "b"
+        return model(shard["x"]).square().mean()
+
+    trainer = asyncddp.Trainer(
+        torch.nn.Linear(3, 1),
+        functools.partial(torch.optim.SGD, lr=0.1),
+        # The first step fails once the step has run, and is retried.
+        failing_step(step, device=0, at=0, where="metric", times=1),
+        devices="cpu",
+        on_failure="retry",
+        progress_bar=False,
+    )
+    await trainer.fit([batch], epochs=2)
+    assert len(seen) == 3
+    assert set(batch) == {"x", "y", "meta"}
+    assert batch["meta"] == {"source": "a"}
 
 
 def test_a_batch_whose_tensors_differ_in_dim_0_names_their_sizes_in_order() -> None:
