@@ -864,7 +864,11 @@ def check_monitor(monitor: object, interval: str) -> None:
     given with ``lr_scheduler_interval="step"`` (a metric is known once an epoch)."""
     if monitor is None:
         return
-    if not isinstance(monitor, str) or not monitor.startswith(("train_", "valid_")):
+    if (
+        not isinstance(monitor, str)
+        or monitor in ("train_", "valid_")
+        or not monitor.startswith(("train_", "valid_"))
+    ):
         raise ConfigurationError(f"lr_scheduler_monitor must be {_MONITOR_FORM}, not {monitor!r}")
     if interval != "epoch":
         raise ConfigurationError(
@@ -874,17 +878,27 @@ def check_monitor(monitor: object, interval: str) -> None:
 
 
 def check_monitor_fits(
-    replicas: list[Replica], monitor: str | None, valid_data: Iterable[Any] | None
+    replicas: list[Replica],
+    monitor: str | None,
+    interval: str,
+    valid_data: Iterable[Any] | None,
+    *,
+    trains: bool,
 ) -> None:
     """As a fit starts, its replicas built: a ``ReduceLROnPlateau`` needs a monitored
-    metric, a scheduler that steps on its own takes none, and ``valid_...`` needs
-    ``valid_data``."""
+    metric (and steps once an epoch), a scheduler that steps on its own takes none, and
+    ``valid_...`` needs ``valid_data`` if the fit ``trains`` an epoch."""
     scheduler = replicas[0].scheduler if replicas else None
     plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
     if plateau and monitor is None:
         raise ConfigurationError(
-            "ReduceLROnPlateau steps on a metric: name the one it watches with "
+            "ReduceLROnPlateau steps on a metric, once an epoch: name the one it watches with "
             f"Trainer(..., lr_scheduler_monitor=...), {_MONITOR_FORM}"
+            + (
+                f", and leave lr_scheduler_interval 'epoch' (not {interval!r})"
+                if interval != "epoch"
+                else ""
+            )
         )
     if monitor is not None and not plateau:
         got = "no lr_scheduler" if scheduler is None else type(scheduler).__name__
@@ -893,7 +907,7 @@ def check_monitor_fits(
             f"and this trainer has {got}, which steps on no metric: leave "
             "lr_scheduler_monitor None"
         )
-    if monitor is not None and monitor.startswith("valid_") and valid_data is None:
+    if monitor is not None and monitor.startswith("valid_") and valid_data is None and trains:
         raise ConfigurationError(
             f"lr_scheduler_monitor={monitor!r} is a validation metric, and this fit has no "
             "valid_data: pass fit(..., valid_data=...), or monitor 'train_loss'"
@@ -913,7 +927,8 @@ def _monitored(record: EpochRecord, monitor: str) -> float:
         raise ConfigurationError(
             f"lr_scheduler_monitor={monitor!r}: epoch {record.epoch} has no such metric "
             f"(its {'training' if split == 'train' else 'validation'} metrics: {known}); "
-            "name one of these, or return it from the step as a dict entry "
-            f"({{'loss': ..., {name!r}: ...}})"
+            f"name one of these, or return it as a dict entry ({{'loss': ..., {name!r}: ...}}) "
+            "from the step"
+            + (" (from valid_step, where the trainer has one)" if split == "valid" else "")
         )
     return metrics[name]

@@ -657,7 +657,13 @@ class Trainer(Resumable, Generic[M]):
                 _check_data(valid_data, "valid_data", epochs - self.epoch)
             async with self._session("fit"):
                 # The replicas are built now, their schedulers with them.
-                check_monitor_fits(self._replicas, self.lr_scheduler_monitor, valid_data)
+                check_monitor_fits(
+                    self._replicas,
+                    self.lr_scheduler_monitor,
+                    self.lr_scheduler_interval,
+                    valid_data,
+                    trains=self.epoch < epochs,
+                )
                 total = await rank_items_total_off_loop(train_data, 0, 1)  # all of the data
                 self._hub.publish(
                     FitStarted(epochs, self.epoch, tuple(d.name for d in self.devices), total)

@@ -458,6 +458,9 @@ async def test_reduce_lr_on_plateau_steps_on_the_monitored_metric_like_the_plain
         await trainer.fit(train, valid_data=valid, epochs=3)
     assert seen == lrs
     assert_close(trainer.model, model)
+    # A fit with nothing left to train needs no valid_data for its monitor.
+    with pytest.warns(asyncddp.AsyncDDPWarning, match="trains nothing"):
+        await trainer.fit(train, epochs=3)
     expected = sched.state_dict()
     for replica in trainer._replicas:
         state = replica.scheduler.state_dict()  # the best metric, as summed on two devices
@@ -483,6 +486,13 @@ async def test_reduce_lr_on_plateau_steps_on_the_monitored_metric_like_the_plain
             "this trainer has StepLR, which steps on no metric",
         ),
         ({"lr_scheduler_monitor": "train_loss"}, True, "this trainer has no lr_scheduler"),
+        (
+            {"lr_scheduler": PLATEAU, "lr_scheduler_interval": "step"},
+            True,
+            "lr_scheduler_monitor=...), 'valid_loss' (validation's loss, with valid_data), "
+            "'train_loss', or 'valid_<name>' / 'train_<name>' for a metric the step returns, "
+            "and leave lr_scheduler_interval 'epoch' (not 'step')",
+        ),
     ],
 )
 async def test_a_monitor_that_does_not_fit_the_scheduler_or_the_fit_is_refused_before_a_step(
@@ -503,6 +513,7 @@ async def test_a_monitor_that_does_not_fit_the_scheduler_or_the_fit_is_refused_b
     ("options", "expected"),
     [
         ({"lr_scheduler_monitor": "val_loss"}, "lr_scheduler_monitor must be 'valid_loss'"),
+        ({"lr_scheduler_monitor": "train_"}, "for a metric the step returns, not 'train_'"),
         ({"lr_scheduler_monitor": 5}, "'train_<name>' for a metric the step returns, not 5"),
         (
             {"lr_scheduler_monitor": "valid_loss", "lr_scheduler_interval": "step"},
@@ -536,8 +547,9 @@ async def test_a_monitored_metric_the_step_does_not_return_is_named_and_the_next
         await trainer.fit(data, valid_data=data, epochs=1)
     assert str(raised.value) == (
         "lr_scheduler_monitor='valid_acc': epoch 0 has no such metric (its validation "
-        "metrics: 'valid_loss', 'valid_accuracy'); name one of these, or return it from the "
-        "step as a dict entry ({'loss': ..., 'acc': ...})"
+        "metrics: 'valid_loss', 'valid_accuracy'); name one of these, or return it as a dict "
+        "entry ({'loss': ..., 'acc': ...}) from the step (from valid_step, where the trainer "
+        "has one)"
     )
     assert (trainer.epoch, trainer.global_step, trainer.history) == (0, 2, [])
     trainer.lr_scheduler_monitor = "valid_accuracy"
