@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import hashlib
 import json
 import logging
 import math
@@ -95,7 +96,9 @@ _EXCHANGES = {
 _KIND, _ITEMS, _LOSS, _ACTIVE, _FAILED, _STOP, _NEW, _BUCKETS, _COUNTED, _TRAINER = range(10)
 # The data's mark (see `Comm.data`): how many ranks know theirs, its sum, its squares' sum.
 _MARKED, _MARK, _MARK_SQUARED = 10, 11, 12
-_FIXED = 13
+# The options' mark (see `Comm.options`): the same three.
+_OPTIONED, _OPTIONS, _OPTIONS_SQUARED = 13, 14, 15
+_FIXED = 16
 
 #: Gradient all-reduces are issued in buckets of at most this many bytes (as DDP's 25 MB).
 BUCKET_BYTES = 25 * 1024 * 1024
@@ -343,6 +346,7 @@ class Comm:
         #: The data this rank's steps and validation now read: its name (``"train_data"``) and
         #: its `data_mark`, sent in their headers, where the ranks compare it.
         self.data: tuple[str, tuple[int, str] | None] | None = None
+        self.options = {}  # see options
         #: The sizes and dtypes of a step's gradient buckets (a failing rank sends zeros alike).
         self.layout: list[tuple[int, torch.dtype]] = []
         # Where collectives' tensors live: NCCL needs them on this process's GPU.
@@ -621,6 +625,11 @@ class Comm:
                 "part of it (batches rank, rank + world_size, ...), so parts that differ "
                 "would overlap or leave samples out"
             )
+        if (
+            round(row[_OPTIONED]) == self.world_size
+            and self.world_size * row[_OPTIONS_SQUARED] != row[_OPTIONS] * row[_OPTIONS]
+        ):
+            raise _disagreement(self._options_differ())
         if row[_NEW] > 0:
             row += self._register(new, pairs)
         n = self.params if self._agreed else 0
@@ -692,11 +701,47 @@ class Comm:
         mark = self.data[1] if self.data is not None and kind in (STEP, VALIDATION) else None
         row += [1.0, float(mark[0]), float(mark[0]) ** 2] if mark else [0.0, 0.0, 0.0]
         if not self._agreed:  # setup's header: the fixed fields alone (see __init__)
+            row += [0.0, 0.0, 0.0]  # the options too: setup compares them itself
             return row
+        row += [1.0, self._options_mark, self._options_mark**2]
         row += [float(u) for u in used] if used is not None else [0.0] * self.params
         for name in self.names:
             row += metrics.get(name, (0.0, 0.0))
         return row
+
+    @property
+    def options(self) -> Mapping[str, str]:
+        """The trainer's options a user may assign between calls (``accumulate_grad_batches``,
+        ``lr_scheduler_monitor``...), as this rank's call has them: compared in every header
+        after the set-up (which compares them with the rest of the trainer)."""
+        return self._options
+
+    @options.setter
+    def options(self, options: Mapping[str, str]) -> None:
+        self._options = dict(options)
+        self._options_mark = float(_options_mark(self._options))
+
+    def _options_differ(self) -> str:
+        """What a header that found the ranks' `options` apart raises with (every rank found
+        it in the same exchange, so every rank is here): the options that differ, and where."""
+        gathered: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(gathered, dict(self.options), group=self._group)
+        except RuntimeError as error:
+            raise self.lost(error) from error
+        first = gathered[0]
+        different = [r for r, options in enumerate(gathered) if options != first]
+        theirs = gathered[different[0]] if different else first
+        differ = "; ".join(
+            f"{name}: {theirs.get(name)} on rank {different[0]}, {first.get(name)} on rank 0"
+            for name in {**first, **theirs}
+            if first.get(name) != theirs.get(name)
+        )
+        return (
+            f"ranks {different} have trainer options other than rank 0's in this call "
+            f"({differ}): an option assigned between calls (trainer.{differ.split(':')[0]} = "
+            "...) must be assigned alike on every rank, or the ranks would train apart"
+        )
 
     def _register(self, new: list[str], metrics: Mapping[str, tuple[float, float]]) -> list[float]:
         """Add the metric names some rank saw first; returns their (sum, items) pairs for
@@ -1001,6 +1046,13 @@ def _lost_message(rank: int, reason: str) -> str:
         f"rank {rank} stopped answering (its process ended: it died, or finished without "
         f"making this call, which every rank makes; or its host is unreachable): {reason}"
     )
+
+
+def _options_mark(options: Mapping[str, str]) -> int:
+    """A number from 1 to 65536 for ``options``, the same on every rank for the same options:
+    small enough that a world's sum of its squares is exact in float64."""
+    digest = hashlib.blake2b(repr(sorted(options.items())).encode(), digest_size=2).digest()
+    return int.from_bytes(digest, "big") + 1
 
 
 def _disagreement(message: str) -> ConfigurationError:

@@ -227,6 +227,22 @@ class DistributedSteps(Steps):
         if _GROUP_CALL is not None and _GROUP_CALL() is self:
             _GROUP_CALL = None
 
+    def _call_options(self) -> dict[str, str]:
+        """The options every rank must share that a user may assign between calls
+        (``trainer.accumulate_grad_batches = 2``): compared as the ranks first meet, with the
+        rest of the trainer, and in every later call's exchanges (`Comm.options`)."""
+        return {
+            "accumulate_grad_batches": str(self.accumulate_grad_batches),
+            "split_batches": str(self.split_batches),
+            "gradient_clip_val": str(self.gradient_clip_val),
+            # Stepped per step on some ranks and per epoch on others, the ranks' learning
+            # rates, and so their models, drift apart without a word.
+            "lr_scheduler_interval": str(self.lr_scheduler_interval),
+            # Stepped on another metric, or on none, the same.
+            "lr_scheduler_monitor": str(self.lr_scheduler_monitor),
+            "on_failure": str(self.on_failure),
+        }
+
     async def _join(self, call: str) -> None:
         """Join the process group's training, once, if this process is in one; ``call`` is
         the call that joins or comes after (``"fit()"``, ``"validate()"``)."""
@@ -236,6 +252,7 @@ class DistributedSteps(Steps):
             self._comm = None
         if self._comm is not None:
             self._comm.announced = False  # a failure of an earlier call was announced then
+            self._comm.options = self._call_options()  # as assigned since: compared again
             self._comm.begin_call(call)
             return
         if not distributed.is_initialized():
@@ -252,22 +269,15 @@ class DistributedSteps(Steps):
         model = self._source_model()
         params = [p for p in model.parameters() if p.requires_grad]
         frozen = [(tuple(p.shape), p.dtype) for p in model.parameters() if not p.requires_grad]
+        options = self._call_options()
         fingerprint = {
             "params": str([(tuple(p.shape), p.dtype) for p in params]),
             "devices": str(len(self.devices)),
-            "accumulate_grad_batches": str(self.accumulate_grad_batches),
-            "split_batches": str(self.split_batches),
-            "gradient_clip_val": str(self.gradient_clip_val),
+            **options,
             "loss scaling": str(self._scaler is not None),
             # Under autocast on some ranks only, their gradients' rounding differs from the
             # others'. Compared by dtype: Lightning's names ("bf16-mixed") are the same.
             "autocast": str(self._autocast or "off").removeprefix("torch."),
-            # Stepped per step on some ranks and per epoch on others, the ranks' learning
-            # rates, and so their models, drift apart without a word.
-            "lr_scheduler_interval": str(self.lr_scheduler_interval),
-            # Stepped on another metric, or on none, the same.
-            "lr_scheduler_monitor": str(self.lr_scheduler_monitor),
-            "on_failure": str(self.on_failure),
             "buffers": str([(tuple(b.shape), b.dtype) for b in model.buffers()]),
             "frozen": str(frozen),
             # A weight laid out otherwise on some rank (channels_last) orders its gradient so
@@ -278,6 +288,7 @@ class DistributedSteps(Steps):
             **self._optimizer_settings(model),
         }
         comm = Comm(self.devices, len(params), fingerprint, call=call)
+        comm.options = options
         comm.layout = bucket_layout(params, len(self.devices))
         try:
             _, cancellation = await collective(comm.setup, device=comm.device)

@@ -536,6 +536,21 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
             lr_scheduler_monitor="train_loss" if rank == 1 else "valid_loss",
         )
         report["error"] = await refusal(t.fit(batches(), valid_data=batches(5, 10), epochs=1))
+    elif scenario.startswith("changed-"):  # an option assigned on rank 1 alone, after a fit
+        t = trainer(
+            1,
+            lr_scheduler=PLATEAU,
+            lr_scheduler_monitor="valid_loss",
+        )
+        await t.fit(batches(), valid_data=batches(5, 10), epochs=1)
+        steps = t.global_step
+        if rank == 1:
+            if scenario == "changed-monitor":
+                t.lr_scheduler_monitor = "train_loss"
+            else:
+                t.accumulate_grad_batches = 2
+        report["error"] = await refusal(t.fit(batches(), valid_data=batches(5, 10), epochs=2))
+        report["steps"] = t.global_step - steps
     elif scenario == "plateau":  # ReduceLROnPlateau on the validation loss, over every rank
         t = trainer(1, lr_scheduler=PLATEAU, lr_scheduler_monitor="valid_loss")
         lrs: list[float | None] = []

@@ -396,6 +396,29 @@ def assert_history_like(history: list[Any], result: asyncddp.FitResult) -> None:
         assert set(valid) == {"loss", "accuracy"}
 
 
+@pytest.mark.parametrize(
+    ("scenario", "expected"),
+    [
+        ("changed-monitor", "(lr_scheduler_monitor: train_loss on rank 1, valid_loss on rank 0)"),
+        ("changed-accumulation", "(accumulate_grad_batches: 2 on rank 1, 1 on rank 0)"),
+    ],
+)
+def test_an_option_assigned_on_one_rank_between_calls_is_refused_on_every_rank(
+    tmp_path: Path, scenario: str, expected: str
+) -> None:
+    # Compared as the ranks first met, never again: a monitor changed on rank 1 alone parted
+    # the ranks' learning rates and models without a word (a review's two ranks).
+    reports, codes, seconds = launch(scenario, tmp_path, timeout=60)
+    assert codes == [0, 0]
+    for report in reports:
+        assert report is not None
+        assert report["error"] is not None
+        assert "ranks [1] have trainer options other than rank 0's in this call" in report["error"]
+        assert expected in report["error"]
+        assert report["steps"] == 0  # refused before a step is applied
+    assert seconds < 30
+
+
 def test_reduce_lr_on_plateau_steps_on_the_validation_loss_of_every_rank(tmp_path: Path) -> None:
     # Each rank validates on its part of the data; the loss it steps on is the exact mean over
     # every rank's items, the same everywhere, so the ranks halve their rates together.
