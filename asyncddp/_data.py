@@ -99,17 +99,34 @@ def items_in(batch: object) -> int:
             )
         )
     if len(sizes) > 1:
-        hint = (
-            ". If a tuple or list in it holds one tensor per item (as collate_fn=lambda items: "
-            "tuple(zip(*items)) makes), it has no batch dimension: stack the items into tensors, "
-            "padding sequences of different lengths to one (torch.nn.utils.rnn.pad_sequence)"
-            if _holds_tensor_runs(batch)
-            else ". If it is one sample, not a batch (from a dataset iterated directly, or a "
-            "DataLoader with batch_size=None), batch the samples: DataLoader(dataset, "
-            "batch_size=...). If a tensor in it is shared by every item, not a row for each "
-            "(a (T, T) attention mask, position ids of shape (1, T)), make it in the step, or "
+        shared = (
+            "If a tensor in it is shared by every item, not a row for each (class weights, a "
+            "(T, T) attention mask, position ids of shape (1, T)), make it in the step, or "
             "expand it to the batch size in the collate_fn"
         )
+        if _holds_item_dicts(batch):
+            hint = (
+                ". If a tuple or list in it holds a dict of tensors for each item (detection "
+                "targets, each image's boxes and labels, as torchvision's collate_fn=lambda "
+                "items: tuple(zip(*items)) makes), it has no batch dimension, and asyncddp "
+                "splits and counts a batch along dim 0: pad each item's tensors to one size "
+                "and stack them (torch.nn.utils.rnn.pad_sequence(..., batch_first=True)), "
+                "with a count or a mask of each item's valid rows"
+            )
+        elif (run := _longest_tensor_run(batch)) > 2:
+            hint = (
+                ". If a tuple or list in it holds one tensor per item (as collate_fn=lambda "
+                "items: tuple(zip(*items)) makes), it has no batch dimension: stack the items "
+                "into tensors, padding sequences of different lengths to one "
+                "(torch.nn.utils.rnn.pad_sequence)" + (f". {shared}" if run <= 4 else "")
+                # A few tensors are as likely a batch's fields, one of them shared.
+            )
+        else:
+            hint = (
+                ". If it is one sample, not a batch (from a dataset iterated directly, or a "
+                "DataLoader with batch_size=None), batch the samples: DataLoader(dataset, "
+                f"batch_size=...). {shared}"
+            )
         in_order = _sizes_in_order(batch)
         shown = ", ".join(map(str, in_order[:8])) + (
             f", ... {len(in_order)} in all" if len(in_order) > 8 else ""
@@ -121,15 +138,28 @@ def items_in(batch: object) -> int:
     return sizes.pop()
 
 
-def _holds_tensor_runs(value: object) -> bool:
-    """Whether ``value`` is or holds a tuple or list of more than two tensors alone (a batch's
-    fields are rarely so many, items often are)."""
+def _longest_tensor_run(value: object) -> int:
+    """The length of the longest tuple or list of tensors alone in ``value`` (0 for none): a
+    batch's fields are rarely more than two, items often are."""
     if isinstance(value, Mapping):
-        return any(_holds_tensor_runs(item) for item in value.values())
+        return max((_longest_tensor_run(item) for item in value.values()), default=0)
     if isinstance(value, (tuple, list)):
-        if len(value) > 2 and all(isinstance(item, torch.Tensor) for item in value):
+        own = len(value) if value and all(isinstance(v, torch.Tensor) for v in value) else 0
+        return max([own, *(_longest_tensor_run(item) for item in value)])
+    return 0
+
+
+def _holds_item_dicts(value: object) -> bool:
+    """Whether ``value`` is or holds a tuple or list of more than one mapping, each holding
+    a tensor: one dict of tensors an item (torchvision's detection targets)."""
+    if isinstance(value, Mapping):
+        return any(_holds_item_dicts(item) for item in value.values())
+    if isinstance(value, (tuple, list)):
+        if len(value) > 1 and all(
+            isinstance(item, Mapping) and _holds_tensor(item) for item in value
+        ):
             return True
-        return any(_holds_tensor_runs(item) for item in value)
+        return any(_holds_item_dicts(item) for item in value)
     return False
 
 

@@ -213,6 +213,25 @@ def test_a_batch_of_per_item_tensors_is_told_to_stack_them() -> None:
     assert "per item" not in str(caught.value)
 
 
+def test_a_batch_with_class_weights_or_detection_targets_is_told_what_to_do_with_them() -> None:
+    # Three tensors read as items only: the class weights beside the inputs and targets were
+    # never named as the tensor to make in the step. Each image's dict of boxes and labels was
+    # told of "one sample, not a batch" and of attention masks.
+    from asyncddp import DataError
+    from asyncddp._data import items_in
+
+    weights = torch.tensor([1.0, 2.0, 0.5])
+    with pytest.raises(
+        DataError, match=r"shared by every item, not a row for each \(class weights"
+    ):
+        items_in((torch.zeros(8, 4), torch.zeros(8), weights))
+    targets = [{"boxes": torch.zeros(n, 4), "labels": torch.zeros(n)} for n in (1, 2, 3, 1)]
+    with pytest.raises(DataError) as caught:
+        items_in((torch.zeros(4, 3, 8, 8), targets))
+    assert "holds a dict of tensors for each item (detection targets" in str(caught.value)
+    assert "one sample, not a batch" not in str(caught.value)
+
+
 def test_a_batch_of_token_lists_is_told_to_pad_them_in_few_words() -> None:
     # 64 lists of about 200 token ids: a message of 58,000 characters ("int, int, ..."),
     # which did not say to pad.
