@@ -10,6 +10,7 @@ handed to every shard as they are.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from collections import UserDict
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sized
@@ -95,6 +96,13 @@ def items_in(batch: object) -> int:
                 ": make the numbers (or arrays) tensors in the collate_fn, padding sequences of "
                 "different lengths to one (torch.nn.utils.rnn.pad_sequence(..., batch_first=True))"
                 if _holds_numbers(batch)
+                else ": make a dataclass a dict of its fields in the collate_fn ({f.name: "
+                "getattr(batch, f.name) for f in dataclasses.fields(batch)}; "
+                "dataclasses.asdict would copy every tensor)"
+                if dataclasses.is_dataclass(batch)
+                else ": give an object of your own as a dict of its tensors (asyncddp splits, "
+                "moves and counts the tensors it can see)"
+                if _of_its_own(batch)
                 else ""
             )
         )
@@ -147,6 +155,14 @@ def _longest_tensor_run(value: object) -> int:
         own = len(value) if value and all(isinstance(v, torch.Tensor) for v in value) else 0
         return max([own, *(_longest_tensor_run(item) for item in value)])
     return 0
+
+
+def _of_its_own(value: object) -> bool:
+    """Whether ``value`` is an object of a user's own class (a batch class with ``.to()``),
+    not a container, tensor or plain value."""
+    return not isinstance(value, (torch.Tensor, tuple, list, Mapping, *_PLAIN)) and (
+        type(value).__module__ != "builtins"
+    )
 
 
 def _holds_item_dicts(value: object) -> bool:

@@ -232,6 +232,34 @@ def test_a_batch_with_class_weights_or_detection_targets_is_told_what_to_do_with
     assert "one sample, not a batch" not in str(caught.value)
 
 
+def test_a_dataclass_or_an_object_of_ones_own_as_a_batch_is_told_to_be_a_dict() -> None:
+    # Refused as "Batches are tensors, or tuples, lists and dicts of tensors" and no more:
+    # Lightning and Accelerate take them (they move what has a .to(), and split nothing).
+    import dataclasses
+
+    from asyncddp import DataError
+    from asyncddp._data import items_in
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+
+    class Moved:
+        def __init__(self) -> None:
+            self.x = torch.zeros(4)
+
+        def to(self, device: torch.device) -> Moved:
+            return self
+
+    with pytest.raises(DataError, match=re.escape("for f in dataclasses.fields(batch)}")):
+        items_in(Batch(torch.zeros(4)))
+    with pytest.raises(DataError, match="give an object of your own as a dict of its tensors"):
+        items_in(Moved())
+    with pytest.raises(DataError) as caught:
+        items_in("text")
+    assert "of your own" not in str(caught.value)
+
+
 def test_a_batch_of_token_lists_is_told_to_pad_them_in_few_words() -> None:
     # 64 lists of about 200 token ids: a message of 58,000 characters ("int, int, ..."),
     # which did not say to pad.
