@@ -15,6 +15,10 @@ assert importlib.resources.files("asyncddp").joinpath("py.typed").is_file(), "py
 assert asyncddp.__version__ == importlib.metadata.version("asyncddp")
 meta = importlib.metadata.metadata("asyncddp")
 assert "Typing :: Typed" in meta.get_all("Classifier")
+# 2.4 however new the hatchling that built it (pyproject's core-metadata-version): 2.5 is
+# refused by upload tools of a year before, and License-Expression needs 2.4.
+assert meta["Metadata-Version"] == "2.4", meta["Metadata-Version"]
+assert meta["License-Expression"] == "BSD-3-Clause", meta["License-Expression"]
 extras = set(meta.get_all("Provides-Extra"))
 assert {"examples", "service", "notebook", "test", "docs"} <= extras, extras
 for optional in ("sklearn", "fastapi", "ipykernel", "pytest"):

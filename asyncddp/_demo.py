@@ -27,7 +27,7 @@ import asyncddp
 def digits_loaders(batch_size: int, seed: int = 0) -> tuple[DataLoader[Any], DataLoader[Any]]:
     """80% of the 1,797 digits to train on (shuffled each epoch), 20% to validate on."""
     try:
-        from sklearn.datasets import load_digits  # type: ignore[import-untyped]
+        from sklearn.datasets import load_digits
     except ImportError as exc:  # an optional dependency: only the demo needs it
         raise ImportError(
             "the demo trains on scikit-learn's digits: pip install scikit-learn (or the "

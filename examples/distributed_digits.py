@@ -22,7 +22,7 @@ import asyncddp
 import asyncddp.distributed
 
 
-def loaders() -> tuple[DataLoader, DataLoader]:
+def loaders() -> tuple[DataLoader[tuple[torch.Tensor, ...]], DataLoader[tuple[torch.Tensor, ...]]]:
     digits = load_digits()  # ships with scikit-learn: nothing is downloaded
     inputs = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     targets = torch.tensor(digits.target)
@@ -32,7 +32,9 @@ def loaders() -> tuple[DataLoader, DataLoader]:
     return DataLoader(train, batch_size=32, shuffle=True), DataLoader(valid, batch_size=128)
 
 
-def step(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict:
+def step(
+    model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     inputs, targets = batch
     logits = model(inputs)
     return {

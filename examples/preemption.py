@@ -52,4 +52,6 @@ async def main(checkpoint_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(f"usage: python {sys.argv[0]} CHECKPOINT_DIR")
     asyncio.run(main(sys.argv[1]))

@@ -46,7 +46,7 @@ async def main(devices: asyncddp.DeviceSpec, epochs: int, batch_size: int) -> No
         inputs, targets = (t.to(ctx.torch_device, non_blocking=True) for t in shard)
         replica.zero_grad()
         if len(inputs):
-            torch.nn.functional.mse_loss(replica(inputs), targets).backward()
+            torch.autograd.backward(torch.nn.functional.mse_loss(replica(inputs), targets))
         return [
             p.grad.cpu() if p.grad is not None else torch.zeros_like(p).cpu()
             for p in replica.parameters()
@@ -63,13 +63,15 @@ async def main(devices: asyncddp.DeviceSpec, epochs: int, batch_size: int) -> No
                 # Average the gradients, weighted by how many items each shard held.
                 weights = [n / sum(result.items) for n in result.items]
                 averaged = [
-                    sum(w * g[i] for w, g in zip(weights, result.outputs, strict=True))
+                    torch.stack(
+                        [w * g[i] for w, g in zip(weights, result.outputs, strict=True)]
+                    ).sum(0)
                     for i in range(2)
                 ]
                 for replica in replicas:
                     with torch.no_grad():
                         for param, grad in zip(replica.parameters(), averaged, strict=True):
-                            param -= 0.1 * grad.to(param.device)
+                            param.sub_(0.1 * grad.to(param.device))
             with torch.no_grad():
                 first = devices[0].torch_device
                 loss = torch.nn.functional.mse_loss(replicas[0](x.to(first)), y.to(first)).item()

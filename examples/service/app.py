@@ -79,7 +79,8 @@ class Job:
         self.status = "running"
         self.error: str | None = None
         self.log: list[dict[str, Any]] = []
-        self.steps, self.last_loss = 0, None
+        self.steps = 0
+        self.last_loss: float | None = None
         self._changed = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
 
@@ -122,7 +123,7 @@ def make_batches(count: int, size: int, seed: int) -> list[tuple[torch.Tensor, t
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randn(count * size, 16, generator=generator)
     targets = (inputs[:, 0] > 0).long() + (inputs[:, 1] > 0).long()
-    return list(zip(inputs.split(size), targets.split(size), strict=True))
+    return list(zip(torch.split(inputs, size), torch.split(targets, size), strict=True))
 
 
 def step(
