@@ -268,17 +268,31 @@ def _per_item(value: list[Any] | tuple[Any, ...], size: int) -> bool:
     ``default_collate`` makes of strings; a field that is ``None`` for some items; each item's
     list of words; each item's dict of metadata; each item's own tuple). Not numbers and
     ``None`` alone (a (height, width) pair, a crop of (224, None): ``default_collate`` would
-    have made per-item numbers a tensor), nor lists or tuples each as long as the batch:
-    ``default_collate``'s fields of samples holding a pair of texts, ``[premises,
-    hypotheses]`` (a list of tuples), or ``zip(*items)``'s, which are split one by one instead.
-    That reading wins where the two meet, a batch of 2 items each with its own pair (or of n
-    with n words each): ``default_collate`` is every ``DataLoader``'s default."""
+    have made per-item numbers a tensor), nor lists or tuples each as long as the batch, not
+    of numbers alone (`_a_field`): ``default_collate``'s fields of samples holding a pair of
+    texts, ``[premises, hypotheses]`` (a list of tuples), or ``zip(*items)``'s, which are
+    split one by one instead. That reading wins where the two meet, a batch of 2 items each
+    with its own pair of texts (or of n with n words each): ``default_collate`` is every
+    ``DataLoader``'s default."""
     return (
         type(value) in (list, tuple)
         and len(value) == size
         and not all(isinstance(item, _NUMBERS) or item is None for item in value)
-        and not all(type(item) in (list, tuple) and len(item) == size for item in value)
+        and not all(_a_field(item, size) for item in value)
         and not _holds_tensor(value)
+    )
+
+
+def _a_field(value: object, size: int) -> bool:
+    """Whether ``value`` may be one of ``default_collate``'s fields (or ``zip(*items)``'s) of
+    a batch of ``size`` items: a list or tuple of that many entries, not numbers and ``None``
+    alone, which ``default_collate`` would have made a tensor (an item's (height, width), its
+    box's (x, y, w, h), from a collate_fn of one's own)."""
+    if type(value) not in (list, tuple):
+        return False
+    entries = cast("list[Any] | tuple[Any, ...]", value)
+    return len(entries) == size and not all(
+        isinstance(entry, _NUMBERS) or entry is None for entry in entries
     )
 
 
@@ -287,40 +301,28 @@ _NUMBERS = (int, float, complex, np.number, np.bool_)
 
 
 def move_to(value: Any, device: torch.device, *, non_blocking: bool = False) -> Any:
-    """Move every tensor in ``value`` to ``device``, keeping the structure. A mapping in which
-    no tensor moves (a batch on its device already) is copied as ``copy.copy`` copies it,
-    keeping its type and what it holds besides its entries (a ``BatchEncoding``'s encodings):
-    a ``dict`` or ``UserDict``, whose copies hold entries of their own; any other mapping is
-    handed on itself. Lists are new ones, so that a step that pops an entry (``labels =
-    batch.pop("labels")``) changes neither the data nor the batch a retry runs again."""
-    return _moved(value, device, non_blocking)[0]
-
-
-def _moved(value: Any, device: torch.device, non_blocking: bool) -> tuple[Any, bool]:
-    """`move_to`'s ``value``, and whether a tensor in it moved."""
+    """Move every tensor in ``value`` to ``device``, keeping the structure. Containers are new
+    ones (a mapping rebuilt by `_same_mapping`), so that a step that pops an entry (``labels =
+    batch.pop("labels")``) changes neither the data nor the batch a retry runs again; a
+    ``UserDict`` (a tokenizer's ``BatchEncoding``) is a copy of itself holding the moved
+    entries, so that what it keeps besides them (its encodings) stays with it."""
     if isinstance(value, torch.Tensor):
-        moved = value.to(device, non_blocking=non_blocking)
-        return moved, moved is not value
+        return value.to(device, non_blocking=non_blocking)
     if isinstance(value, Mapping):
-        pairs = {k: _moved(v, device, non_blocking) for k, v in value.items()}
-        items = {k: item for k, (item, _) in pairs.items()}
-        if any(changed for _, changed in pairs.values()):
-            return _same_mapping(value, items), True
-        if isinstance(value, (dict, UserDict)):
+        items = {k: move_to(v, device, non_blocking=non_blocking) for k, v in value.items()}
+        if isinstance(value, UserDict):
             clone = copy.copy(value)
-            clone.update(items)  # the entries' own copies: lists and mappings within
-            return clone, False
-        return value, False
-    if isinstance(value, (tuple, list)):
-        children = [_moved(item, device, non_blocking) for item in value]
-        entries = [item for item, _ in children]
-        changed = any(moved for _, moved in children)
-        if isinstance(value, list):
-            return entries, changed
-        if not changed and all(a is b for a, b in zip(entries, value, strict=True)):
-            return value, False
-        return (type(value)(*entries) if hasattr(value, "_fields") else tuple(entries)), changed
-    return value, False
+            clone.__dict__["data"] = items  # as UserDict's own copy sets it: no descriptor
+            return clone
+        return _same_mapping(value, items)
+    if isinstance(value, tuple):
+        moved = [move_to(item, device, non_blocking=non_blocking) for item in value]
+        if all(a is b for a, b in zip(moved, value, strict=True)):
+            return value  # nothing in it moved or was copied: itself, of its own type
+        return type(value)(*moved) if hasattr(value, "_fields") else tuple(moved)
+    if isinstance(value, list):
+        return [move_to(item, device, non_blocking=non_blocking) for item in value]
+    return value
 
 
 def holds_cuda(value: Any) -> bool:

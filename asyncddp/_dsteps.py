@@ -23,6 +23,7 @@ ranks stay identical, and the others hear of the cancellation at their next exch
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 import threading
@@ -232,9 +233,9 @@ class DistributedSteps(Steps):
         (``trainer.accumulate_grad_batches = 2``): compared as the ranks first meet, with the
         rest of the trainer, and in every later call's exchanges (`Comm.options`)."""
         return {
-            "accumulate_grad_batches": str(self.accumulate_grad_batches),
-            "split_batches": str(self.split_batches),
-            "gradient_clip_val": str(self.gradient_clip_val),
+            "accumulate_grad_batches": _as_number(self.accumulate_grad_batches),
+            "split_batches": str(bool(self.split_batches)),
+            "gradient_clip_val": _as_number(self.gradient_clip_val, real=True),
             # Stepped per step on some ranks and per epoch on others, the ranks' learning
             # rates, and so their models, drift apart without a word.
             "lr_scheduler_interval": str(self.lr_scheduler_interval),
@@ -616,3 +617,13 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: _plain(item) for key, item in value.items()}
     return value
+
+
+def _as_number(value: object, *, real: bool = False) -> str:
+    """An option's number as every rank writes it, whatever its type: ``1``, ``1.0`` and
+    NumPy's ``int64(1)`` alike (as `float` with ``real``); anything else as it is, for the
+    option's own check to refuse."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return str(value)
+    number = float(value)
+    return str(number if real or not number.is_integer() else int(number))

@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -536,6 +537,13 @@ async def run(scenario: str, out: Path, rank: int) -> dict[str, Any]:
             lr_scheduler_monitor="train_loss" if rank == 1 else "valid_loss",
         )
         report["error"] = await refusal(t.fit(batches(), valid_data=batches(5, 10), epochs=1))
+    elif scenario == "same-options-typed-apart":  # 1 and 1.0, 2 and NumPy's 2: the same
+        t = trainer(1, gradient_clip_val=1 if rank == 0 else 1.0)
+        await t.fit(batches(), epochs=1)
+        t.accumulate_grad_batches = 2 if rank == 0 else np.int64(2)
+        t.gradient_clip_val = np.float32(0.5) if rank == 0 else 0.5
+        await t.fit(batches(), epochs=2)
+        report["global_step"] = t.global_step
     elif scenario.startswith("changed-"):  # an option assigned on rank 1 alone, after a fit
         t = trainer(
             1,

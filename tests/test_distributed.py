@@ -419,6 +419,12 @@ def test_an_option_assigned_on_one_rank_between_calls_is_refused_on_every_rank(
     assert seconds < 30
 
 
+def test_options_of_one_value_written_apart_are_the_same_on_every_rank(tmp_path: Path) -> None:
+    # Compared as strings, a clipping value of 1 on one rank and 1.0 on the other was refused.
+    first, second = both_reports("same-options-typed-apart", tmp_path)
+    assert first["global_step"] == second["global_step"] == 4 + 2
+
+
 def test_reduce_lr_on_plateau_steps_on_the_validation_loss_of_every_rank(tmp_path: Path) -> None:
     # Each rank validates on its part of the data; the loss it steps on is the exact mean over
     # every rank's items, the same everywhere, so the ranks halve their rates together.

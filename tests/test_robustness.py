@@ -510,6 +510,7 @@ leaves = st.sampled_from(
         "crop",
         "nplabels",
         "pairs",
+        "sizes",
     ]
 )
 
@@ -546,6 +547,8 @@ def batches(draw: Any) -> tuple[Any, int, dict[int, tuple[Any, bool]]]:
             value = [[f"p{i}" for i in range(size)], [f"h{i}" for i in range(size)]]
         elif kind == "pairs":  # each item's own pair, from a collate_fn of one's own
             value = [(f"q{i}", f"a{i}") for i in range(size)]
+        elif kind == "sizes":  # each item's (height, width): numbers, never default_collate's
+            value = [(i, 2 * i) for i in range(size)]
         elif kind == "crop":  # a setting for the whole batch, numbers and None
             value = (224, None)
         elif kind == "nplabels":  # NumPy's numbers alone, as Python's: whole
@@ -598,13 +601,18 @@ def holds_tensor(value: Any) -> bool:
 
 def one_entry_an_item(value: Any, size: int) -> bool:
     """The documented rule (training.md, Data): a list or tuple as long as the batch that holds
-    no tensor, not numbers and None alone, nor lists or tuples each as long as the batch
-    (fields)."""
+    no tensor, not numbers and None alone, nor lists or tuples each as long as the batch and
+    not of numbers alone (fields)."""
     return (
         isinstance(value, (tuple, list))
         and len(value) == size > 0
         and not all(isinstance(entry, (int, float, np.number)) or entry is None for entry in value)
-        and not all(type(entry) in (list, tuple) and len(entry) == size for entry in value)
+        and not all(
+            type(entry) in (list, tuple)
+            and len(entry) == size
+            and not all(isinstance(e, (int, float, np.number)) or e is None for e in entry)
+            for entry in value
+        )
         and not holds_tensor(value)
     )
 
