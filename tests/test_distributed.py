@@ -420,7 +420,8 @@ def test_an_option_assigned_on_one_rank_between_calls_is_refused_on_every_rank(
 
 
 def test_options_of_one_value_written_apart_are_the_same_on_every_rank(tmp_path: Path) -> None:
-    # Compared as strings, a clipping value of 1 on one rank and 1.0 on the other was refused.
+    # Compared as strings, a clipping value of 1 assigned on one rank and 1.0 on the other
+    # was refused.
     first, second = both_reports("same-options-typed-apart", tmp_path)
     assert first["global_step"] == second["global_step"] == 4 + 2
 
