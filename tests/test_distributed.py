@@ -396,29 +396,6 @@ def assert_history_like(history: list[Any], result: asyncddp.FitResult) -> None:
         assert set(valid) == {"loss", "accuracy"}
 
 
-@pytest.mark.parametrize(
-    ("scenario", "expected"),
-    [
-        ("changed-monitor", "(lr_scheduler_monitor: train_loss on rank 1, valid_loss on rank 0)"),
-        ("changed-accumulation", "(accumulate_grad_batches: 2 on rank 1, 1 on rank 0)"),
-    ],
-)
-def test_an_option_assigned_on_one_rank_between_calls_is_refused_on_every_rank(
-    tmp_path: Path, scenario: str, expected: str
-) -> None:
-    # Compared as the ranks first met, never again: a monitor changed on rank 1 alone parted
-    # the ranks' learning rates and models without a word (a review's two ranks).
-    reports, codes, seconds = launch(scenario, tmp_path, timeout=60)
-    assert codes == [0, 0]
-    for report in reports:
-        assert report is not None
-        assert report["error"] is not None
-        assert "ranks [1] have trainer options other than rank 0's in this call" in report["error"]
-        assert expected in report["error"]
-        assert report["steps"] == 0  # refused before a step is applied
-    assert seconds < 30
-
-
 def test_options_of_one_value_written_apart_are_the_same_on_every_rank(tmp_path: Path) -> None:
     # Compared as strings, a clipping value of 1 assigned on one rank and 1.0 on the other
     # was refused.
@@ -842,6 +819,15 @@ def test_every_rank_takes_rank_0s_batchnorm_statistics(tmp_path: Path, devices: 
         ("batch-size-differs", "different train_data: this rank's is a DataLoader of "),
         # Validated before, over rank 1's part of its own part: "exact" means of other samples.
         ("valid-data-differs", "different valid_data: this rank's is a list of"),
+        # Assigned on rank 1 alone between calls: compared as the ranks first met, never
+        # again, a monitor parted the ranks' learning rates and models without a word.
+        (
+            "changed-monitor",
+            "ranks [1] have trainer options other than rank 0's in this call "
+            "(lr_scheduler_monitor: train_loss on rank 1, valid_loss on rank 0): an option "
+            "assigned between calls (trainer.lr_scheduler_monitor = ...) must be assigned alike",
+        ),
+        ("changed-accumulation", "(accumulate_grad_batches: 2 on rank 1, 1 on rank 0)"),
     ],
 )
 def test_ranks_whose_devices_or_options_differ_are_refused_on_every_rank(
