@@ -29,10 +29,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import importlib
 import inspect
 import itertools
 import logging
 import os
+import sys
 import threading
 import time
 import warnings
@@ -606,6 +608,7 @@ class Trainer(Resumable, Generic[M]):
             # Joined first: every rank counts the call (Comm.begin_call), also one that a
             # check below fails on this rank alone (an option assigned on one rank), and the
             # others hear of it.
+            await _optimizers_importable()
             await self._join("fit()")
             self._check_options()
             epochs = check_int("epochs", epochs, 1)  # NumPy's too: a sweep's from an array
@@ -739,6 +742,7 @@ class Trainer(Resumable, Generic[M]):
             self._end_call()
             raise
         try:
+            await _optimizers_importable()
             await self._join("validate()")
             self._check_options()
             _check_data(data, "data", 1)
@@ -1465,6 +1469,19 @@ def _check_takes_model_and_batch(name: str, function: Any) -> None:
         f"trainer calls it with the device's model and its share of the batch, as "
         f"def {name}(model, batch): return loss"
     )
+
+
+async def _optimizers_importable() -> None:
+    """Import ``torch._dynamo`` off the event loop, once a process: the first optimizer a
+    process builds imports it (torch wraps optimizers' methods to keep dynamo out), 1 to 3 s
+    of imports, which held the loop where a call builds one on it: a distributed fit's first
+    join compares the ranks' optimizers, a resume checks the state against one. (The workers
+    build the replicas' own, off the loop too.) A cancellation leaves the import to end in its
+    thread."""
+    if "torch._dynamo" not in sys.modules:
+        await anyio.to_thread.run_sync(
+            importlib.import_module, "torch._dynamo", abandon_on_cancel=True
+        )
 
 
 def _check(condition: bool, message: str) -> None:

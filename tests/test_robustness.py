@@ -237,6 +237,56 @@ def test_the_first_fit_under_asyncio_imports_nothing_of_anyio_on_the_loop() -> N
     assert done.stdout.strip() == "[]"
 
 
+@pytest.mark.parametrize("call", ["resume", "distributed"])
+def test_the_first_optimizer_a_call_builds_on_the_loop_imports_nothing_there(
+    call: str, tmp_path: Path
+) -> None:
+    # The first optimizer a process builds imports torch._dynamo: 1-3 s of imports, on the
+    # event loop's thread where a fit resumed from a checkpoint checks it against one, and
+    # where a distributed fit's first join compares the ranks' (the loop blocked 2.6-3.0 s in
+    # a torchrun of the digits example under PYTHONDEVMODE). In a process of its own.
+    script = textwrap.dedent(
+        """
+        import asyncio, functools, sys, threading, torch, asyncddp
+        from torch.distributed import HashStore
+        assert "torch._dynamo" not in sys.modules
+        importers = []
+
+        class Watch:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch._dynamo":
+                    importers.append(threading.current_thread() is threading.main_thread())
+
+        sys.meta_path.insert(0, Watch())
+        sgd = functools.partial(torch.optim.SGD, lr=0.1)
+        trainer = asyncddp.Trainer(torch.nn.Linear(2, 1), sgd, lambda m, b: m(b).pow(2).mean(),
+                                   devices="cpu", progress_bar=False)
+        if CALL == "distributed":
+            torch.distributed.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+            asyncio.run(trainer.fit([torch.ones(4, 2)] * 3))
+            torch.distributed.destroy_process_group()
+        else:
+            asyncio.run(trainer.fit([torch.ones(4, 2)] * 3, epochs=2, resume=PATH))
+        print(importers)
+        """
+    )
+    path = tmp_path / "first.ckpt"
+    if call == "resume":
+        sgd = functools.partial(torch.optim.SGD, lr=0.1)
+        trainer = Trainer(
+            torch.nn.Linear(2, 1),
+            sgd,
+            lambda m, b: m(b).pow(2).mean(),
+            devices="cpu",
+            progress_bar=False,
+        )
+        anyio.run(functools.partial(trainer.fit, [torch.ones(4, 2)] * 3))
+        anyio.run(trainer.save_checkpoint, path)
+    done = run_script(f"CALL = {call!r}; PATH = {str(path)!r}\n" + script)
+    done.check_returncode()
+    assert done.stdout.strip() == "[False]"  # imported once, on another thread
+
+
 #: A slow piece of work in torch's own code (a torch op releases the GIL as it computes).
 SLOW_TORCH = """
 def slow_torch(seconds):
