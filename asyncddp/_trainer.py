@@ -83,7 +83,7 @@ from ._exceptions import (
 )
 from ._jobs import Jobs, Sums, load_into, to_cpu
 from ._loader import Prefetcher
-from ._loop import loop_ended, running_loop
+from ._loop import current_waker, loop_ended, running_loop
 from ._precision import LossScaler, Precision, autocast_dtype
 from ._ranks import rank_items_total_off_loop
 from ._replica import (
@@ -1476,12 +1476,26 @@ async def _optimizers_importable() -> None:
     process builds imports it (torch wraps optimizers' methods to keep dynamo out), 1 to 3 s
     of imports, which held the loop where a call builds one on it: a distributed fit's first
     join compares the ranks' optimizers, a resume checks the state against one. (The workers
-    build the replicas' own, off the loop too.) A cancellation leaves the import to end in its
-    thread."""
-    if "torch._dynamo" not in sys.modules:
-        await anyio.to_thread.run_sync(
-            importlib.import_module, "torch._dynamo", abandon_on_cancel=True
-        )
+    build the replicas' own, off the loop too.) On a thread of its own, which ends with the
+    import (an executor's would stay, idle, after the call); a cancellation leaves the import
+    to end there."""
+    if "torch._dynamo" in sys.modules:
+        return
+    waker = current_waker()
+    done: list[bool] = []
+
+    def target() -> None:
+        try:
+            importlib.import_module("torch._dynamo")
+        except BaseException:  # an optimizer's build raises it again, where it matters
+            pass
+        finally:
+            done.append(True)
+            waker.wake_threadsafe()
+
+    threading.Thread(target=target, name="asyncddp-import", daemon=True).start()
+    while not done:
+        await waker.wait(None)
 
 
 def _check(condition: bool, message: str) -> None:
