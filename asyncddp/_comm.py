@@ -424,14 +424,8 @@ class Comm:
                 )
                 + ": train on GPUs on every rank, or on the CPU on every rank"
             )
-        different = [r for r, (_, fp, *_) in enumerate(gathered) if fp != gathered[0][1]]
+        different, differ = _apart([fp for _, fp, *_ in gathered])
         if different:
-            first, theirs = gathered[0][1], gathered[different[0]][1]
-            differ = "; ".join(
-                f"{name}: {theirs.get(name)} on rank {different[0]}, {first.get(name)} on rank 0"
-                for name in {**first, **theirs}
-                if first.get(name) != theirs.get(name)
-            )
             raise ConfigurationError(
                 f"ranks {different} build a different trainer from rank 0 ({differ}); every "
                 "rank must run the same model, optimizer and Trainer arguments"
@@ -729,14 +723,7 @@ class Comm:
             dist.all_gather_object(gathered, dict(self.options), group=self._group)
         except RuntimeError as error:
             raise self.lost(error) from error
-        first = gathered[0]
-        different = [r for r, options in enumerate(gathered) if options != first]
-        theirs = gathered[different[0]] if different else first
-        differ = "; ".join(
-            f"{name}: {theirs.get(name)} on rank {different[0]}, {first.get(name)} on rank 0"
-            for name in {**first, **theirs}
-            if first.get(name) != theirs.get(name)
-        )
+        different, differ = _apart(gathered)
         return (
             f"ranks {different} have trainer options other than rank 0's in this call "
             f"({differ}): an option assigned between calls (trainer.{differ.split(':')[0]} = "
@@ -1046,6 +1033,23 @@ def _lost_message(rank: int, reason: str) -> str:
         f"rank {rank} stopped answering (its process ended: it died, or finished without "
         f"making this call, which every rank makes; or its host is unreachable): {reason}"
     )
+
+
+def _apart(settings: list[Mapping[str, str]]) -> tuple[list[int], str]:
+    """The ranks whose ``settings`` (one mapping a rank) differ from rank 0's, and how the first
+    of them differs (``"name: theirs on rank r, rank 0's on rank 0; ..."``); ``([], "")``
+    where all agree."""
+    first = settings[0]
+    different = [rank for rank, mine in enumerate(settings) if mine != first]
+    if not different:
+        return [], ""
+    theirs = settings[different[0]]
+    differ = "; ".join(
+        f"{name}: {theirs.get(name)} on rank {different[0]}, {first.get(name)} on rank 0"
+        for name in {**first, **theirs}
+        if first.get(name) != theirs.get(name)
+    )
+    return different, differ
 
 
 def _options_mark(options: Mapping[str, str]) -> int:
