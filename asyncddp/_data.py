@@ -277,7 +277,7 @@ def _per_item(value: list[Any] | tuple[Any, ...], size: int) -> bool:
     return (
         type(value) in (list, tuple)
         and len(value) == size
-        and not all(isinstance(item, _NUMBERS) or item is None for item in value)
+        and not _numbers_alone(value)
         and not all(_a_field(item, size) for item in value)
         and not _holds_tensor(value)
     )
@@ -291,9 +291,13 @@ def _a_field(value: object, size: int) -> bool:
     if type(value) not in (list, tuple):
         return False
     entries = cast("list[Any] | tuple[Any, ...]", value)
-    return len(entries) == size and not all(
-        isinstance(entry, _NUMBERS) or entry is None for entry in entries
-    )
+    return len(entries) == size and not _numbers_alone(entries)
+
+
+def _numbers_alone(entries: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether every entry is a number or ``None``: what ``default_collate`` would have made a
+    tensor (a (height, width) pair, a crop of (224, None))."""
+    return all(isinstance(entry, _NUMBERS) or entry is None for entry in entries)
 
 
 #: Numbers, Python's and NumPy's (bools too).

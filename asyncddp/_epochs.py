@@ -45,7 +45,7 @@ from ._scheduler import StepScheduler
 from ._steps import Window, shard_items
 from ._sync import group_settings, restore_group_settings
 
-__all__ = ["EpochRecord", "Epochs", "check_monitor"]
+__all__ = ["EpochRecord", "Epochs", "check_monitor", "check_monitor_fits"]
 
 _log = logging.getLogger("asyncddp")
 
